@@ -1,0 +1,59 @@
+"""The `llmopt` command: wires the subcommands and turns user errors into one line and exit 2."""
+from __future__ import annotations
+
+import sys
+
+import typer
+from typer.exceptions import TyperException
+
+from llmopt.stages.errors import LlmoptError
+
+from . import eval_cmd, import_cmd, inspect_cmd
+
+app = typer.Typer(
+    name="llmopt", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="Compress-then-serve toolchain for causal language models.",
+)
+app.command("import", help="Write a base artifact from any model source.")(import_cmd.run)
+app.command("inspect", help="Show an artifact's manifest, lineage, sizes and metrics.")(inspect_cmd.run)
+app.command("eval", help="Perplexity (and KL vs a reference) on a text, GPTQ-style windows.")(eval_cmd.run)
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors.")) -> None:
+    """llmopt: prune, quantize, shard, profile, serve and bench causal LMs."""
+
+
+def _fail(message: str, code: int) -> int:
+    from .ui import err
+
+    err.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(args=argv, prog_name="llmopt", standalone_mode=False)
+        return result if isinstance(result, int) else 0
+    except TyperException as e:  # typer's own click: usage errors and aborts
+        if type(e).__name__ == "Abort":
+            return _fail("interrupted", 130)
+        message = e.format_message() if hasattr(e, "format_message") else str(e)
+        return _fail(" ".join(message.split()), 2)
+    except LlmoptError as e:
+        if debug:
+            raise
+        return _fail(str(e), 2)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    except Exception as e:  # a bug, not bad input: say so, keep the traceback behind --debug
+        if debug:
+            raise
+        return _fail(f"internal error: {e.__class__.__name__}: {e} (rerun with --debug for the traceback)", 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Console helpers: one stderr console for progress and errors, stdout for results."""
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+out = Console()
+err = Console(stderr=True)
+
+
+def print_json(data) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+def note(message: str) -> None:
+    err.print(f"[dim]{message}[/dim]")
+
+
+@contextmanager
+def progress_bar(description: str):
+    """Yields a callback(done, total) that drives a bar with ETA on stderr."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=False) as progress:
+        task = progress.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        yield update
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n}"

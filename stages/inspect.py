@@ -1,0 +1,34 @@
+"""What `llmopt inspect` reports, computed from the manifest and safetensors headers only."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .safetensors_io import tensor_infos, weight_files
+
+_PARAM_SKIP = ("weight_shape",)  # compressed-tensors bookkeeping tensors, not parameters
+
+
+def summarize(path: Path, manifest: dict | None) -> dict:
+    """Parameters and bytes by dtype from the headers; the manifest as stored (None for HF dirs)."""
+    path = Path(path)
+    files = [n for n in (manifest or {}).get("files", {}) if n.endswith(".safetensors")] or weight_files(path)
+    by_dtype: dict[str, dict] = {}
+    params = 0
+    for name in files:
+        for tname, (dtype, shape, nbytes) in tensor_infos(path / name).items():
+            numel = 1
+            for d in shape:
+                numel *= d
+            row = by_dtype.setdefault(dtype, {"tensors": 0, "parameters": 0, "bytes": 0})
+            row["tensors"] += 1
+            row["bytes"] += nbytes
+            if not tname.endswith(_PARAM_SKIP):
+                row["parameters"] += numel
+                params += numel
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    return {
+        "path": str(path), "architecture": (config.get("architectures") or ["?"])[0],
+        "num_parameters": params, "weight_bytes": sum(v["bytes"] for v in by_dtype.values()),
+        "by_dtype": by_dtype, "manifest": manifest,
+    }

@@ -1,0 +1,116 @@
+"""Saving and loading Hugging Face causal LMs as plain directories (safetensors only).
+
+Loading builds the model on the meta device and assigns tensors memory-mapped from the safetensors
+files, so a model is never materialised twice (no random init, no copy) unless a dtype change
+requires one.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import ArtifactError, SourceError
+from .safetensors_io import load_dir, save_state_dict, weight_files
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    if name in (None, "auto"):
+        return None
+    if name not in DTYPES:
+        from .errors import ConfigError
+
+        raise ConfigError(f"unknown dtype '{name}'; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def clean_config(config):
+    """A copy of `config` fit to save: no load-time quantizer (GGUF), dtype as stored."""
+    config = copy.deepcopy(config)
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None and _quant_method(qc) == "gguf":
+        del config.quantization_config
+    return config
+
+
+def _quant_method(qc) -> str:
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "")
+    return str(getattr(method, "value", method))
+
+
+def save_model(model, tokenizer, directory: Path, max_shard_bytes: int = 2 << 30) -> list[str]:
+    """Write config, generation config, tokenizer and safetensors weights into `directory`."""
+    config = clean_config(model.config)
+    config.dtype = next(model.parameters()).dtype
+    if not getattr(config, "architectures", None):  # GGUF-loaded configs lack it; vLLM needs it
+        config.architectures = [type(model).__name__]
+    config.save_pretrained(directory)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    return save_state_dict(model.state_dict(), directory, max_shard_bytes)
+
+
+def load_config(directory: Path):
+    from transformers import AutoConfig
+
+    if not (directory / "config.json").is_file():
+        raise SourceError(f"{directory}: no config.json; not a Hugging Face model directory")
+    try:
+        return AutoConfig.from_pretrained(directory)
+    except (ValueError, KeyError, OSError) as e:
+        raise SourceError(f"{directory}/config.json: cannot be read ({str(e).splitlines()[0]})") from None
+
+
+def load_model_dir(directory: Path, dtype: torch.dtype | None = None, files: list[str] | None = None):
+    """Build the model from `config.json` on meta, then assign mmap'd safetensors weights."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    directory = Path(directory)
+    config = load_config(directory)
+    files = files if files is not None else weight_files(directory)
+    if not files:
+        raise SourceError(f"{directory}: no safetensors weights (llmopt loads safetensors only, never pickle)")
+    state = load_dir(directory, files)
+    stored = next(iter(state.values())).dtype if state else torch.float32
+    target = dtype or (stored if stored.is_floating_point else torch.float32)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=target)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise ArtifactError(f"{directory}: weights not in the model: {', '.join(result.unexpected_keys[:5])}")
+    model.tie_weights()
+    still_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if still_meta:
+        raise ArtifactError(f"{directory}: weights missing from the safetensors files: {', '.join(still_meta[:5])}")
+    model.config.dtype = target
+    return model.eval()
+
+
+def load_tokenizer(directory: Path, gguf_file: str | None = None):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file) if gguf_file \
+            else AutoTokenizer.from_pretrained(directory)
+    except (ValueError, OSError, KeyError, json.JSONDecodeError) as e:
+        raise SourceError(f"{directory}: tokenizer cannot be loaded ({str(e).splitlines()[0]})") from None
+
+
+def count_parameters(model) -> int:
+    """Parameters counted once each (a tied lm_head is not counted twice)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel()
+    return total

@@ -1,0 +1,154 @@
+"""Safetensors reading by mmap (no copy) and sharded writing.
+
+Reading maps the file copy-on-write and views tensors straight into the mapping, so loading a
+model costs page-cache reads only: the weights are never held twice in memory.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from .errors import ArtifactError
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+INDEX_NAME = "model.safetensors.index.json"
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """Return (tensor entries, byte offset where data starts); errors name the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ArtifactError(f"{path}: truncated safetensors file (no header)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(size - 8, _MAX_HEADER):
+            raise ArtifactError(f"{path}: corrupted safetensors header (length {n} > file size)")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ArtifactError(f"{path}: corrupted safetensors header ({e.__class__.__name__})") from None
+    header.pop("__metadata__", None)
+    data_len = max((e["data_offsets"][1] for e in header.values()), default=0)
+    if 8 + n + data_len > size:
+        raise ArtifactError(f"{path}: truncated safetensors file ({size} bytes, header needs {8 + n + data_len})")
+    return header, 8 + n
+
+
+def tensor_infos(path: Path) -> dict[str, tuple[str, list[int], int]]:
+    """name -> (dtype name, shape, bytes), read from the header alone."""
+    header, _ = read_header(path)
+    return {k: (e["dtype"], e["shape"], e["data_offsets"][1] - e["data_offsets"][0]) for k, e in header.items()}
+
+
+def load_mmap(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of one file, as views into a private (copy-on-write) memory map."""
+    header, start = read_header(path)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    buf = torch.frombuffer(mm, dtype=torch.uint8) if len(mm) else torch.empty(0, dtype=torch.uint8)
+    out = {}
+    for name, e in header.items():
+        if e["dtype"] not in _DTYPES:
+            raise ArtifactError(f"{path}: tensor {name} has unsupported dtype {e['dtype']}")
+        lo, hi = e["data_offsets"]
+        dtype = _DTYPES[e["dtype"]]
+        out[name] = _view(buf[start + lo:start + hi], dtype, e["shape"])
+    return out
+
+
+def _view(raw: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    try:
+        return raw.view(dtype).reshape(shape)
+    except RuntimeError:  # misaligned offset (foreign writer): one copy of this tensor only
+        return raw.clone().view(dtype).reshape(shape)
+
+
+def load_dir(directory: Path, files: list[str]) -> dict[str, torch.Tensor]:
+    state = {}
+    for name in files:
+        state.update(load_mmap(directory / name))
+    return state
+
+
+def weight_files(directory: Path) -> list[str]:
+    """The safetensors files of a model directory, via the index when there is one."""
+    index = directory / INDEX_NAME
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ArtifactError(f"{index}: malformed index ({e})") from None
+        return sorted(set(weight_map.values()))
+    return sorted(p.name for p in directory.glob("*.safetensors"))
+
+
+def _dedup_shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop tensors that alias an earlier one (tied embeddings); loading re-ties them."""
+    seen, out = set(), {}
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype) if t.numel() else None
+        if key is not None and key in seen:
+            continue
+        seen.add(key)
+        out[name] = t
+    return out
+
+
+def _plan_shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    shards, current, size = [], [], 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int = 2 << 30) -> list[str]:
+    """Write `state` as model.safetensors, or numbered shards plus an index above the limit."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to("cpu").contiguous() for k, v in _dedup_shared(state).items()}
+    shards = _plan_shards(state, max_shard_bytes)
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, keys in zip(names, shards):
+        save_file({k: state[k] for k in keys}, str(directory / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in keys})
+    if len(names) > 1:
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / INDEX_NAME).write_text(json.dumps(index, indent=2))
+    return names
+
+
+def fsync_tree(directory: Path) -> None:
+    for p in directory.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,85 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from llmopt.cli.main import main
+
+
+def _err_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("error:")
+    return err
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["inspect", "/no/such/dir"], "no such file or directory"),
+    (["eval", "smollm2-1t"], "not a built-in alias"),
+    (["import", "smollm2-135m", "-o", "x", "--dtype", "bf17"], "Invalid value for '--dtype'"),
+    (["eval", "smollm2-135m", "--seqlen", "0"], "Invalid value for '--seqlen'"),
+    (["eval", "smollm2-135m", "--max-windows", "zero"], "Invalid value for '--max-windows'"),
+    (["eval", "smollm2-135m", "--text", "/no/such.txt"], "no such text file"),
+    (["frobnicate"], "No such command"),
+    (["import", "smollm2-135m"], "Missing option"),
+])
+def test_user_errors_give_one_line_and_exit_2(argv, expect, capsys):
+    assert main(argv) == 2
+    assert expect in _err_line(capsys)
+
+
+def test_corrupted_artifact_names_the_file(tiny_hf, tmp_path, capsys):
+    assert main(["import", str(tiny_hf[0]), "-o", str(tmp_path / "a"), "--json"]) == 0
+    capsys.readouterr()
+    weights = tmp_path / "a" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert main(["inspect", str(tmp_path / "a")]) == 2
+    assert "model.safetensors" in _err_line(capsys)
+
+
+def test_existing_output_is_refused(tiny_hf, tmp_path, capsys):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "keep.txt").write_text("x")
+    assert main(["import", str(tiny_hf[0]), "-o", str(tmp_path / "a")]) == 2
+    assert "already exists" in _err_line(capsys)
+
+
+def test_import_inspect_eval_json(tiny_hf, tmp_path, capsys):
+    out = tmp_path / "art"
+    assert main(["import", str(tiny_hf[0]), "-o", str(out), "--dtype", "bf16", "--json"]) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made["model"]["dtype"] == "bf16"
+    assert main(["inspect", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["num_parameters"] == made["model"]["num_parameters"]
+    assert list(info["by_dtype"]) == ["BF16"]
+    assert info["manifest"]["content_hash"] == made["content_hash"]
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 20)
+    assert main(["eval", str(out), "--text", str(text), "--seqlen", "32", "--max-windows", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["windows"] == 2 and result["perplexity"] > 1
+    assert main(["inspect", str(out), "--json"]) == 0
+    metrics = json.loads(capsys.readouterr().out)["manifest"]["metrics"]
+    stored = [v for k, v in metrics.items() if k.startswith("eval/")]
+    assert stored and stored[0]["perplexity"] == pytest.approx(result["perplexity"])
+
+
+def test_inspect_renders_tables(tiny_hf, tmp_path, capsys):
+    main(["import", str(tiny_hf[0]), "-o", str(tmp_path / "a")])
+    text = capsys.readouterr().out
+    for part in ("stage", "content hash", "bytes by dtype", "lineage", "parameters"):
+        assert part in text
+
+
+def test_help_does_not_import_torch():
+    code = "import sys; from llmopt.cli.main import app; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_console_script_help():
+    proc = subprocess.run([sys.executable, "-m", "llmopt.cli.main", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    for command in ("import", "inspect", "eval"):
+        assert command in proc.stdout

@@ -1,0 +1,51 @@
+"""Tiny random-weight models and tokenizers built inside the tests (no files, no network)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a language model predicts the next token from the previous ones",
+    "pack the weights, verify the hashes, and write atomically",
+    "twelve small layers of attention and a gated feed forward block",
+] * 4
+
+
+def make_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE trained on a fixed corpus: deterministic, a few ms."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def make_model(vocab_size: int, seed: int = 0, tie: bool = True, layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=tie, eos_token_id=0, bos_token_id=0, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # HF init is tiny (std 0.02); widen it so logits are not all equal
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return model
+
+
+def write_hf_dir(path: Path, seed: int = 0, tie: bool = True, layers: int = 2):
+    """A plain HF model directory (config, tokenizer, safetensors), as `save_pretrained` writes it."""
+    tok = make_tokenizer()
+    model = make_model(len(tok), seed=seed, tie=tie, layers=layers)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model, tok
