@@ -68,6 +68,8 @@ def test_import_inspect_eval_json(tiny_hf, tmp_path, capsys):
 
 def test_inspect_renders_tables(tiny_hf, tmp_path, capsys):
     main(["import", str(tiny_hf[0]), "-o", str(tmp_path / "a")])
+    assert "wrote" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "a")]) == 0
     text = capsys.readouterr().out
     for part in ("stage", "content hash", "bytes by dtype", "lineage", "parameters"):
         assert part in text
