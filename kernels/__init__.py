@@ -1,0 +1,82 @@
+"""Compute layer: the ops the serve engine calls, each a Triton kernel with a torch twin.
+
+Every op takes `backend=None|"triton"|"torch"`. None picks from the tensor's device: CUDA ->
+Triton, CPU -> torch (and, inside the quantized `nn.Module`s, the packed CPU kernels of
+`cpu_quant`). "triton" on CPU tensors runs Triton's interpreter (tests). Importing this package
+is cheap: submodules, torch and triton load on first attribute access.
+
+Elementwise / norms
+    rms_norm(x, weight, eps=1e-6, residual=None, backend=None) -> out | (out, x + residual)
+        Triton path updates `residual` in place and returns it.
+    silu_and_mul(x, backend=None)              x [..., 2I] = gate||up -> [..., I]
+    apply_rotary(q, k, positions, cos_sin_cache, is_neox=True, backend=None) -> (q, k), in place
+    build_cos_sin_cache(head_dim, max_positions, theta=1e4, rope_scaling=None, rotary_dim=None)
+        -> [max_positions, rotary_dim] = cos || sin; rope_scaling: HF dict, types default/linear/llama3
+
+Quantized matmuls (compressed-tensors layout; x [..., K] -> [..., N] in x's dtype)
+    w4a16_matmul(x, weight_packed, weight_scale, weight_zero_point=None, group_size=None, backend=None)
+        weight_packed int32 [N, ceil(K/8)] (col 8c+j in bits 4j of word c, stored q+8),
+        weight_scale [N, G], weight_zero_point int32 [ceil(N/8), G] packed along N, stored zp+8.
+    w8a16_matmul(x, weight, weight_scale, weight_zero_point=None, group_size=None, backend=None)
+        weight int8 [N, K]; weight_scale [N, G]; weight_zero_point int8 [N, G].
+    w8a8_matmul(x, weight, weight_scale, backend=None)     int8 [N, K] x per-token int8 activations
+    quantize_per_token(x, backend=None) -> (int8 [M, K], fp32 scale [M])
+    w4a16_dequantize(...)                                    dense weight, for reference/export
+
+Layers (`nn.Module`, built with `from_compressed(tensors, ...)`, CPU layout converted once)
+    W4A16Linear, W8A16Linear, W8A8Linear
+    ColumnParallelLinear(inner, group=None, gather_output=False), RowParallelLinear(inner, group, bias)
+    shard(tensor, dim, rank, world), world_size(group)
+
+Paged KV cache: k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim];
+slot = block * block_size + offset; block_tables [S, max_blocks] int32; context_lens [S] int32
+counts cached tokens *including* the ones being computed.
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, backend=None)          slot < 0: skipped
+    paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, backend=None)
+    paged_attention_prefill(q, k, v, k_cache, v_cache, meta: PrefillMetadata, scale, backend=None)
+        writes k/v by meta.slot_mapping, then causal attention of packed q (meta.cu_seqlens_q)
+        over each sequence's cache: cached prefix + new tokens (chunked prefill, shared prefixes).
+
+Every op has a `*_ref` torch twin (rms_norm_ref, w4a16_matmul_ref, paged_attention_ref,
+paged_attention_decode_ref, ...): the test reference and the CPU path. CPU fast paths and
+their numerics (bf16 activations for W4A16/W8A16, fbgemm per-token int8 for W8A8) are
+documented in `cpu_quant`.
+
+Errors: ValueError for wrong shapes/dtypes (message says what was expected);
+KernelBackendError for a backend that cannot run here.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "rms_norm": "norm", "rms_norm_ref": "norm",
+    "silu_and_mul": "activation", "silu_and_mul_ref": "activation",
+    "apply_rotary": "rotary", "apply_rotary_ref": "rotary", "build_cos_sin_cache": "rotary",
+    "w4a16_matmul": "wq_matmul", "w4a16_matmul_ref": "wq_matmul", "w4a16_dequantize": "wq_matmul",
+    "w8a16_matmul": "wq_matmul", "w8a16_matmul_ref": "wq_matmul",
+    "w8a8_matmul": "w8a8", "w8a8_matmul_ref": "w8a8", "quantize_per_token": "w8a8",
+    "W4A16Linear": "linear", "W8A16Linear": "linear", "W8A8Linear": "linear",
+    "ColumnParallelLinear": "parallel", "RowParallelLinear": "parallel", "shard": "parallel",
+    "world_size": "parallel",
+    "write_kv_cache": "kv_cache", "write_kv_cache_ref": "kv_cache",
+    "paged_attention_decode": "paged_attention", "paged_attention_prefill": "paged_attention",
+    "paged_attention_ref": "paged_attention", "paged_attention_decode_ref": "paged_attention",
+    "PrefillMetadata": "paged_attention",
+    "KernelBackendError": "_backend",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,226 @@
+"""Weight-only quantized matmul `y = x @ dequant(W).T` on the compressed-tensors layout.
+
+W4A16 ("pack-quantized"): `weight_packed` int32 [N, ceil(K/8)], input column 8c+j in bits
+4j..4j+3 of word c, each value stored as q+8 (unsigned 0..15); `weight_scale` [N, G] with
+G = ceil(K / group_size) (G = 1 for channel-wise); asymmetric schemes add `weight_zero_point`
+int32 [ceil(N/8), G], packed along the *output* dim (row 8r+j in bits 4j.. of word r), also
+stored +8. Dequant: w = (q_stored - zp_stored) * scale, zp_stored = 8 when symmetric.
+
+W8A16 ("int-quantized"/"naive-quantized"): `weight` int8 [N, K] (signed), `weight_scale`
+[N, G], optional `weight_zero_point` int8 [N, G]. Dequant: w = (q - zp) * scale.
+
+The Triton kernel dequantizes tiles in registers inside the K loop; no dequantized copy of the
+weight is ever written to memory. The `*_ref` twins do materialise it (test reference, CPU
+fallback for shapes the CPU fast paths in `cpu_quant` do not take).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ._backend import cdiv, check, jit, launchable, next_pow2, pick_backend, tl
+
+
+@jit
+def _wq_matmul_kernel(
+    x_ptr,  # [M, K] activations (fp32/fp16/bf16)
+    w_ptr,  # BITS=4: int32 [N, ceil(K/8)] packed; BITS=8: int8 [N, K]
+    s_ptr,  # [N, G] scales
+    z_ptr,  # BITS=4: int32 [ceil(N/8), G] packed along N; BITS=8: int8 [N, G] (if HAS_ZP)
+    out_ptr,  # [M, N] output: x's dtype, or fp32 accumulated atomically when SPLIT_K > 1
+    M, N, K,  # problem size
+    group_size,  # K columns per scale
+    k_per_split,  # K columns per split (a multiple of BLOCK_K)
+    stride_xm,  # row stride of x
+    stride_wn,  # row stride of w
+    stride_sn,  # row stride of the scales
+    stride_zn,  # row stride of the zero points
+    stride_om,  # row stride of out
+    BITS: tl.constexpr,  # 4 or 8
+    HAS_ZP: tl.constexpr,  # asymmetric: read zero points
+    IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dot (no tf32)
+    SCALE_PER_TILE: tl.constexpr,  # group_size % BLOCK_K == 0: one scale row per K tile
+    SPLIT_K: tl.constexpr,  # programs sharing one output tile along K (decode: fill the GPU)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # tile sizes
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    k_start = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_end
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        mask_kn = mask_k[:, None] & mask_n[None, :]
+        if BITS == 4:
+            word = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] // 8, mask=mask_kn, other=0)
+            q = (word >> ((offs_k[:, None] % 8) * 4)) & 0xF  # [BLOCK_K, BLOCK_N]
+        else:
+            q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask_kn, other=0).to(tl.int32)
+        if SCALE_PER_TILE:  # the whole tile is in one group: load [1, BLOCK_N]
+            grp = k0 // group_size
+            mask_g = mask_n[None, :]
+        else:
+            grp = offs_k[:, None] // group_size
+            mask_g = mask_kn
+        s = tl.load(s_ptr + offs_n[None, :] * stride_sn + grp, mask=mask_g, other=0.0).to(tl.float32)
+        if HAS_ZP:
+            if BITS == 4:
+                zw = tl.load(z_ptr + (offs_n[None, :] // 8) * stride_zn + grp, mask=mask_g, other=0)
+                z = (zw >> ((offs_n[None, :] % 8) * 4)) & 0xF
+            else:
+                z = tl.load(z_ptr + offs_n[None, :] * stride_zn + grp, mask=mask_g, other=0).to(tl.int32)
+        else:
+            z = 8 if BITS == 4 else 0
+        w = (q - z).to(tl.float32) * s
+        if IEEE:
+            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(x.dtype))
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    mask_out = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K > 1:
+        tl.atomic_add(out_ptrs, acc, mask=mask_out)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
+
+
+def unpack_int4(weight_packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """int32 [N, ceil(K/8)] -> uint8 [N, K] stored values 0..15 (q + 8)."""
+    n = weight_packed.shape[0]
+    if sys.byteorder == "little":  # word c's byte b holds columns 8c+2b (low nibble), 8c+2b+1 (high)
+        b = weight_packed.contiguous().view(torch.uint8)
+        return torch.stack((b & 0xF, b >> 4), dim=-1).view(n, -1)[:, :in_features]
+    shifts = torch.arange(0, 32, 4, device=weight_packed.device, dtype=torch.int32)
+    nib = (weight_packed.unsqueeze(-1) >> shifts) & 0xF  # [N, K/8, 8]
+    return nib.flatten(1)[:, :in_features].to(torch.uint8)
+
+
+def unpack_int4_zero_point(zp_packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """int32 [ceil(N/8), G] packed along N -> uint8 [N, G] stored values 0..15."""
+    shifts = torch.arange(0, 32, 4, device=zp_packed.device, dtype=torch.int32)
+    nib = (zp_packed.unsqueeze(1) >> shifts[None, :, None]) & 0xF  # [N/8, 8, G]
+    return nib.flatten(0, 1)[:out_features].to(torch.uint8)
+
+
+def resolve_group_size(in_features: int, weight_scale: torch.Tensor, group_size: int | None) -> int:
+    """Group size as a number. None: channel-wise for [N, 1] scales, else K / G when exact."""
+    groups = weight_scale.shape[-1]
+    if group_size is None:
+        check(in_features % groups == 0,
+              f"group_size is required: K={in_features} is not a multiple of {groups} groups")
+        group_size = in_features // groups
+    check(group_size > 0 and groups == cdiv(in_features, group_size),
+          f"weight_scale has {groups} groups; K={in_features} / group {group_size} needs "
+          f"{cdiv(in_features, group_size)}")
+    return group_size
+
+
+def dequantize_ref(q, weight_scale, zero, group_size, dtype=torch.float32):
+    """(q - zero) * scale with [N, G] scales/zeros expanded over groups of K; returns [N, K]."""
+    k = q.shape[1]
+    scale = weight_scale.to(dtype).repeat_interleave(group_size, dim=1)[:, :k]
+    if torch.is_tensor(zero):
+        zero = zero.to(dtype).repeat_interleave(group_size, dim=1)[:, :k]
+    return (q.to(dtype) - zero) * scale
+
+
+def w4a16_dequantize(weight_packed, weight_scale, in_features, weight_zero_point=None, group_size=None,
+                     dtype=torch.float32):
+    """The dense [N, K] weight that a pack-quantized W4 layer represents."""
+    group_size = resolve_group_size(in_features, weight_scale, group_size)
+    q = unpack_int4(weight_packed, in_features)
+    zero = 8 if weight_zero_point is None else unpack_int4_zero_point(weight_zero_point, q.shape[0])
+    return dequantize_ref(q, weight_scale, zero, group_size, dtype)
+
+
+def w4a16_matmul_ref(x, weight_packed, weight_scale, weight_zero_point=None, group_size=None):
+    """Torch twin: dequantize to fp32, matmul in fp32, cast to x's dtype."""
+    w = w4a16_dequantize(weight_packed, weight_scale, x.shape[-1], weight_zero_point, group_size)
+    return (x.float() @ w.t()).to(x.dtype)
+
+
+def w8a16_matmul_ref(x, weight, weight_scale, weight_zero_point=None, group_size=None):
+    """Torch twin for int8 weights: dequantize to fp32, matmul in fp32, cast to x's dtype."""
+    group_size = resolve_group_size(weight.shape[1], weight_scale, group_size)
+    zero = 0 if weight_zero_point is None else weight_zero_point
+    w = dequantize_ref(weight, weight_scale, zero, group_size)
+    return (x.float() @ w.t()).to(x.dtype)
+
+
+BLOCK_K = 64
+
+
+def choose_split_k(tiles: int, k: int, device: torch.device) -> int:
+    """Split K until the output tiles x splits cover the GPU's SMs twice (decode has few tiles)."""
+    if device.type != "cuda":
+        return 1
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    split = 1
+    while tiles * split * 2 <= target and k // (split * 2) >= 4 * BLOCK_K:
+        split *= 2
+    return split
+
+
+def _launch(x, w, scale, zp, n, group_size, bits, split_k):
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m == 0:
+        return torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    block_m = min(64, max(16, next_pow2(m)))
+    block_n = 128 if m <= 16 else 64
+    tiles = cdiv(m, block_m) * cdiv(n, block_n)
+    split_k = split_k or choose_split_k(tiles, k, x.device)
+    k_per_split = cdiv(cdiv(k, split_k), BLOCK_K) * BLOCK_K
+    split_k = cdiv(k, k_per_split)
+    out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1
+           else torch.empty(m, n, dtype=x.dtype, device=x.device))
+    zp_arg = zp if zp is not None else scale
+    launchable(_wq_matmul_kernel, x.device)[(cdiv(m, block_m), cdiv(n, block_n), split_k)](
+        x2, w, scale, zp_arg, out, m, n, k, group_size, k_per_split,
+        x2.stride(0), w.stride(0), scale.stride(0), zp_arg.stride(0), out.stride(0),
+        BITS=bits, HAS_ZP=zp is not None, IEEE=x.dtype == torch.float32,
+        SCALE_PER_TILE=group_size % BLOCK_K == 0, SPLIT_K=split_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+    )
+    return out.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def w4a16_matmul(x, weight_packed, weight_scale, weight_zero_point=None, group_size=None, backend=None,
+                 split_k=None):
+    """`x @ W.T` for a pack-quantized int4 weight; x [..., K] -> [..., N] in x's dtype.
+
+    `group_size` None: inferred from the scales (K / G, or channel-wise for [N, 1]); `split_k`
+    None: picked from the GPU's SM count (CPU: 1). On "torch" this is the reference (it
+    materialises W); the quantized `nn.Module`s use the faster CPU layouts in `cpu_quant`.
+    """
+    k, n = x.shape[-1], weight_packed.shape[0]
+    check(weight_packed.dtype == torch.int32 and weight_packed.shape[1] == cdiv(k, 8),
+          f"w4a16: weight_packed must be int32 [N, ceil(K/8)] = [{n}, {cdiv(k, 8)}], got "
+          f"{weight_packed.dtype} {tuple(weight_packed.shape)}")
+    group_size = resolve_group_size(k, weight_scale, group_size)
+    if weight_zero_point is not None:
+        check(weight_zero_point.shape == (cdiv(n, 8), weight_scale.shape[1]),
+              "w4a16: weight_zero_point must be int32 [ceil(N/8), G] (packed along N)")
+    if pick_backend(x, backend) == "torch":
+        return w4a16_matmul_ref(x, weight_packed, weight_scale, weight_zero_point, group_size)
+    return _launch(x, weight_packed, weight_scale, weight_zero_point, n, group_size, 4, split_k)
+
+
+def w8a16_matmul(x, weight, weight_scale, weight_zero_point=None, group_size=None, backend=None, split_k=None):
+    """`x @ W.T` for an int8 weight [N, K] with [N, G] scales (G=1: channel-wise)."""
+    check(weight.dtype == torch.int8 and weight.dim() == 2 and weight.shape[1] == x.shape[-1],
+          f"w8a16: weight must be int8 [N, {x.shape[-1]}], got {weight.dtype} {tuple(weight.shape)}")
+    group_size = resolve_group_size(weight.shape[1], weight_scale, group_size)
+    if weight_zero_point is not None:
+        check(weight_zero_point.shape == weight_scale.shape, "w8a16: weight_zero_point must match weight_scale")
+    if pick_backend(x, backend) == "torch":
+        return w8a16_matmul_ref(x, weight, weight_scale, weight_zero_point, group_size)
+    return _launch(x, weight.contiguous(), weight_scale, weight_zero_point, weight.shape[0], group_size, 8, split_k)

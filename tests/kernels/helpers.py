@@ -1,0 +1,78 @@
+"""Shared tolerances, markers and quantized-weight builders for the kernel tests."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+# (atol, rtol) for kernel vs twin at the same dtype. The interpreter only runs fp32 (its bf16
+# arithmetic is wrong); fp16/bf16 run on CUDA, where scripts/gpu_check.sh runs this suite.
+TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+def device_dtypes():
+    """(device, dtype) pairs for the Triton path: fp32 on CPU (interpreter), all three on CUDA."""
+    pairs = [("cpu", torch.float32)]
+    if torch.cuda.is_available():
+        pairs += [("cuda", dt) for dt in (torch.float32, torch.float16, torch.bfloat16)]
+    return pairs
+
+
+def assert_close(actual, expected, dtype, scale=1.0):
+    """allclose with the dtype's (atol, rtol); atol scaled by the output's magnitude."""
+    atol, rtol = TOLERANCES[dtype]
+    bad = ~torch.isclose(actual.float(), expected.float(), atol=atol * scale, rtol=rtol)
+    assert not bad.any(), (f"{int(bad.sum())}/{bad.numel()} mismatches, max abs err "
+                           f"{(actual.float() - expected.float()).abs().max().item():.3g}")
+
+
+def pack_int4(q: torch.Tensor, packed_dim: int = 1) -> torch.Tensor:
+    """int8 values in [-8, 7] -> int32 words of 8 (stored +8, element 8c+j in bits 4j), as
+    compressed-tensors packs them (test_int4_layout_matches_compressed_tensors checks this)."""
+    if packed_dim == 0:
+        return pack_int4(q.t()).t().contiguous()
+    n, k = q.shape
+    v = torch.nn.functional.pad(q.long() + 8, (0, -k % 8)).view(n, -1, 8)
+    words = (v << torch.arange(0, 32, 4)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int | None, symmetric: bool):
+    """compressed-tensors pack-quantized tensors for a float weight [N, K] (group None: channel)."""
+    n, k = w.shape
+    g = k if group_size is None else group_size
+    groups = -(-k // g)
+    wg = torch.nn.functional.pad(w.float(), (0, groups * g - k)).view(n, groups, g)
+    if symmetric:
+        scale = wg.abs().amax(-1).clamp_min(1e-8) / 7.5
+        zp = torch.zeros_like(scale)
+    else:
+        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp_min(1e-8)
+        zp = (-8 - lo / scale).round().clamp(-8, 7)
+    q = (wg / scale[..., None] + zp[..., None]).round().clamp(-8, 7).flatten(1)[:, :k].to(torch.int8)
+    out = {"weight_packed": pack_int4(q), "weight_scale": scale,
+           "weight_shape": torch.tensor([n, k])}
+    if not symmetric:
+        out["weight_zero_point"] = pack_int4(zp.to(torch.int8), packed_dim=0)
+    return out
+
+
+def quantize_int8(w: torch.Tensor, symmetric: bool = True):
+    """Channel-wise int8 tensors ({weight, weight_scale[, weight_zero_point]}) for w [N, K]."""
+    if symmetric:
+        scale = w.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 127
+        return {"weight": (w / scale).round().clamp(-127, 127).to(torch.int8), "weight_scale": scale}
+    lo, hi = w.amin(-1, keepdim=True).clamp(max=0), w.amax(-1, keepdim=True).clamp(min=0)
+    scale = ((hi - lo) / 255).clamp_min(1e-8)
+    zp = (-128 - lo / scale).round().clamp(-128, 127)
+    q = (w / scale + zp).round().clamp(-128, 127).to(torch.int8)
+    return {"weight": q, "weight_scale": scale, "weight_zero_point": zp.to(torch.int8)}
+
+
+def to(tensors: dict, device) -> dict:
+    return {name: t.to(device) for name, t in tensors.items()}
