@@ -39,3 +39,33 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n}"
+
+
+@contextmanager
+def layer_progress(stage: str):
+    """Yields (status, on_layer, on_window) callbacks driving one live display on stderr."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+    with Progress(*columns, console=err) as progress:
+        layers = progress.add_task(f"{stage}: layers", total=None, info="")
+        windows = progress.add_task("eval windows", total=None, info="", visible=False)
+
+        def status(message: str) -> None:
+            progress.console.print(f"[dim]{message}[/dim]")
+            progress.update(windows, visible=False, completed=0)
+
+        def on_layer(report, total: int) -> None:
+            progress.update(layers, completed=report.index + 1, total=total, info=_layer_info(report.stats))
+
+        def on_window(done: int, total: int) -> None:
+            progress.update(windows, completed=done, total=total, visible=True)
+
+        yield status, on_layer, on_window
+
+
+def _layer_info(stats: dict) -> str:
+    for key in ("rel_weight_error", "gptq_loss"):
+        if stats.get(key):
+            values = list(stats[key].values())
+            return f"{key} mean {sum(values) / len(values):.4g}"
+    return ""

@@ -30,10 +30,13 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
 
 
 def clean_config(config):
-    """A copy of `config` fit to save: no load-time quantizer (GGUF), dtype as stored."""
+    """A copy of `config` describing dense weights: no GGUF loader, no compressed-tensors layout.
+
+    (A model loaded from a compressed artifact holds dequantized weights; saved, it is dense.)
+    """
     config = copy.deepcopy(config)
     qc = getattr(config, "quantization_config", None)
-    if qc is not None and _quant_method(qc) == "gguf":
+    if qc is not None and _quant_method(qc) in ("gguf", "compressed-tensors"):
         del config.quantization_config
     return config
 
@@ -43,10 +46,17 @@ def _quant_method(qc) -> str:
     return str(getattr(method, "value", method))
 
 
-def save_model(model, tokenizer, directory: Path, max_shard_bytes: int = 2 << 30) -> list[str]:
-    """Write config, generation config, tokenizer and safetensors weights into `directory`."""
+def save_model(model, tokenizer, directory: Path, max_shard_bytes: int = 2 << 30, state: dict | None = None,
+               quantization_config: dict | None = None) -> list[str]:
+    """Write config, generation config, tokenizer and safetensors weights into `directory`.
+
+    `state` replaces the model's own state dict (e.g. compressed tensors), described by
+    `quantization_config` in config.json.
+    """
     config = clean_config(model.config)
     config.dtype = next(model.parameters()).dtype
+    if quantization_config is not None:
+        config.quantization_config = quantization_config
     if not getattr(config, "architectures", None):  # GGUF-loaded configs lack it; vLLM needs it
         config.architectures = [type(model).__name__]
     config.save_pretrained(directory)
@@ -54,7 +64,7 @@ def save_model(model, tokenizer, directory: Path, max_shard_bytes: int = 2 << 30
         model.generation_config.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
-    return save_state_dict(model.state_dict(), directory, max_shard_bytes)
+    return save_state_dict(model.state_dict() if state is None else state, directory, max_shard_bytes)
 
 
 def load_config(directory: Path):
@@ -79,10 +89,19 @@ def load_model_dir(directory: Path, dtype: torch.dtype | None = None, files: lis
     if not files:
         raise SourceError(f"{directory}: no safetensors weights (llmopt loads safetensors only, never pickle)")
     state = load_dir(directory, files)
-    stored = next(iter(state.values())).dtype if state else torch.float32
-    target = dtype or (stored if stored.is_floating_point else torch.float32)
+    qconfig = _quantization_config(config)
+    if qconfig is not None and qconfig.get("quant_method") == "bitsandbytes":
+        return _load_bnb(directory)
+    target = dtype or _stored_dtype(state)
+    bare = clean_config(config)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=target)
+        model = AutoModelForCausalLM.from_config(bare, dtype=target)
+    if qconfig is not None:  # the loaded model still says what it was made from
+        model.config.quantization_config = qconfig
+    if qconfig is not None:
+        from .compressed import materialize
+
+        state = materialize(model, state, qconfig, target)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     result = model.load_state_dict(state, strict=False, assign=True)
@@ -94,6 +113,33 @@ def load_model_dir(directory: Path, dtype: torch.dtype | None = None, files: lis
         raise ArtifactError(f"{directory}: weights missing from the safetensors files: {', '.join(still_meta[:5])}")
     model.config.dtype = target
     return model.eval()
+
+
+def _quantization_config(config) -> dict | None:
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    return qc if isinstance(qc, dict) else qc.to_dict()
+
+
+def _stored_dtype(state: dict) -> torch.dtype:
+    """The dtype of the dense floating tensors (scales aside, they are float32 by convention)."""
+    for name, t in state.items():
+        if t.is_floating_point() and not name.endswith(("_scale", "_zero_point")):
+            return t.dtype
+    return torch.float32
+
+
+def _load_bnb(directory: Path):
+    """bitsandbytes artifacts load through transformers' own integration."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    # bitsandbytes' CPU int8 path warns on every matmul (thousands of lines per generate)
+    warnings.filterwarnings("ignore", message=".*MatMul8bitLt.*")
+
+    return AutoModelForCausalLM.from_pretrained(directory, device_map="cpu").eval()
 
 
 def load_tokenizer(directory: Path, gguf_file: str | None = None):

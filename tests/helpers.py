@@ -27,10 +27,10 @@ def make_tokenizer(vocab_size: int = 300):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
-def make_model(vocab_size: int, seed: int = 0, tie: bool = True, layers: int = 2):
+def make_model(vocab_size: int, seed: int = 0, tie: bool = True, layers: int = 2, hidden: int = 32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=tie, eos_token_id=0, bos_token_id=0, pad_token_id=0)
     torch.manual_seed(seed)
@@ -42,10 +42,10 @@ def make_model(vocab_size: int, seed: int = 0, tie: bool = True, layers: int = 2
     return model
 
 
-def write_hf_dir(path: Path, seed: int = 0, tie: bool = True, layers: int = 2):
+def write_hf_dir(path: Path, seed: int = 0, tie: bool = True, layers: int = 2, hidden: int = 32):
     """A plain HF model directory (config, tokenizer, safetensors), as `save_pretrained` writes it."""
     tok = make_tokenizer()
-    model = make_model(len(tok), seed=seed, tie=tie, layers=layers)
+    model = make_model(len(tok), seed=seed, tie=tie, layers=layers, hidden=hidden)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return model, tok

@@ -23,6 +23,10 @@ def _err_line(capsys) -> str:
     (["eval", "smollm2-135m", "--text", "/no/such.txt"], "no such text file"),
     (["frobnicate"], "No such command"),
     (["import", "smollm2-135m"], "Missing option"),
+    (["quantize", "smollm2-135m", "-o", "x", "--method", "gptq", "--scheme", "W8A8"], "does not make W8A8"),
+    (["quantize", "smollm2-135m", "-o", "x", "--method", "magic"], "unknown --method magic"),
+    (["quantize", "smollm2-135m", "-o", "x", "--group-size", "48"], "power of two"),
+    (["quantize", "smollm2-135m", "-o", "x", "--method", "rtn", "--scheme", "NF4"], "does not make NF4"),
 ])
 def test_user_errors_give_one_line_and_exit_2(argv, expect, capsys):
     assert main(argv) == 2
@@ -83,5 +87,5 @@ def test_help_does_not_import_torch():
 def test_console_script_help():
     proc = subprocess.run([sys.executable, "-m", "llmopt.cli.main", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0
-    for command in ("import", "inspect", "eval"):
+    for command in ("import", "inspect", "eval", "quantize"):
         assert command in proc.stdout

@@ -1,0 +1,62 @@
+"""llmopt quantize SOURCE -o OUT: RTN, GPTQ, AWQ, SmoothQuant W8A8 or bitsandbytes."""
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from .options import DType, DTypeOpt, Force, Json, Output, Source
+from .ui import err, human_bytes, layer_progress, out, print_json
+
+Method = Annotated[str, typer.Option("--method", help="rtn | gptq | awq | smoothquant | bnb")]
+Scheme = Annotated[str, typer.Option("--scheme", help="W4A16 | W8A16 | W8A8 | NF4 | INT8")]
+
+
+def run(source: Source, output: Output, method: Method = "gptq", scheme: Scheme = "W4A16",
+        group_size: Annotated[str, typer.Option("--group-size", help="auto | 32 | 64 | 128 | -1 (per channel)")] = "auto",
+        asym: Annotated[bool, typer.Option("--asym", help="Asymmetric grid (zero points).")] = False,
+        ignore: Annotated[Optional[list[str]], typer.Option("--ignore", help="Linear names/globs/re: to keep dense.")] = None,
+        calib: Annotated[str, typer.Option("--calib", help="wikitext2-valid | sharegpt | FILE | self")] = "wikitext2-valid",
+        nsamples: Annotated[int, typer.Option("--nsamples", min=1)] = 128,
+        seqlen: Annotated[int, typer.Option("--seqlen", min=2)] = 2048,
+        seed: Annotated[int, typer.Option("--seed")] = 0,
+        act_order: Annotated[bool, typer.Option("--act-order", help="GPTQ: columns by descending Hessian diagonal.")] = False,
+        damp: Annotated[float, typer.Option("--damp", help="GPTQ dampening, fraction of mean diag(H).")] = 0.01,
+        alpha: Annotated[float, typer.Option("--alpha", help="SmoothQuant migration strength.")] = 0.5,
+        device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = "cpu",
+        dtype: DTypeOpt = DType.auto,
+        eval_windows: Annotated[int, typer.Option("--eval-windows", min=0, help="Perplexity windows before/after (0: off).")] = 4,
+        force: Force = False, json: Json = False) -> None:
+    from llmopt.stages.calib import CalibConfig
+    from llmopt.stages.model_io import parse_dtype
+    from llmopt.stages.quantize.config import QuantizeConfig
+    from llmopt.stages.quantize.run import run_quantize
+    from llmopt.stages.quantize.stage import QuantizeHooks
+
+    config = QuantizeConfig(method=method, scheme=scheme.upper(), group_size=group_size, symmetric=not asym,
+                            ignore=tuple(ignore or ()), calib=CalibConfig(calib, nsamples, seqlen, seed), damp=damp,
+                            act_order=act_order, smoothing_alpha=alpha, device=device, eval_windows=eval_windows)
+    config.validate()
+    with layer_progress("quantize") as (status, on_layer, on_window):
+        art = run_quantize(source, output, config, dtype=parse_dtype(dtype.value), force=force,
+                           hooks=QuantizeHooks(status=status, layer=on_layer, window=on_window))
+    metrics = art.manifest["metrics"]
+    if json:
+        print_json({"path": str(art.path), "content_hash": art.content_hash, "metrics": metrics})
+        return
+    render(art, metrics)
+
+
+def render(art, metrics: dict) -> None:
+    table = Table(title=f"quantized -> {art.path}", title_justify="left", show_header=False)
+    cfg = art.manifest["config"]
+    table.add_row("method / scheme", f"{cfg['method']} {cfg['scheme']} group {cfg['group_size']}"
+                  f" {'sym' if cfg['symmetric'] else 'asym'}")
+    table.add_row("weights on disk", human_bytes(metrics["size_bytes"]))
+    if "quantize_seconds" in metrics:
+        table.add_row("time", f"{metrics['quantize_seconds']:.1f} s")
+    ba = metrics.get("perplexity_before_after")
+    if ba:
+        table.add_row("perplexity", f"{ba['before']:.4f} -> {ba['after']:.4f} ({ba['increase_pct']:+.2f}%), {ba['protocol']}")
+    out.print(table)

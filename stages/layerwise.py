@@ -1,0 +1,125 @@
+"""Layer-by-layer calibration driver shared by quantize and prune.
+
+Calibration windows run through the embedding once; then, decoder layer by decoder layer, the
+layer's linear inputs are observed (forward hooks), the method rewrites the layer's weights, and
+the already-rewritten layer produces the next layer's inputs. Only one layer (and the activations)
+sits on the compute device at a time: peak memory is about one layer plus activations.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+
+
+class LayerMethod(Protocol):
+    """What a stage plugs into the driver."""
+
+    def observers(self, index: int, layer: nn.Module) -> dict[str, Callable[[torch.Tensor], None]]:
+        """Submodule name (inside the layer) -> callback receiving that submodule's input [B, S, in]."""
+
+    def process(self, index: int, layer: nn.Module) -> dict:
+        """Rewrite the layer's weights after observation; return per-layer statistics."""
+
+
+@dataclass
+class LayerReport:
+    index: int
+    seconds: float
+    stats: dict = field(default_factory=dict)
+
+
+class _Stop(Exception):
+    pass
+
+
+def decoder_layers(model) -> nn.ModuleList:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ConfigError(f"{type(model).__name__}: no model.layers; layer-by-layer stages support "
+                          "decoder-only models of the Llama family (Llama, Mistral, Qwen2, SmolLM2)")
+    return layers
+
+
+def _to(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(_to(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj
+
+
+@torch.inference_mode()
+def capture_inputs(model, windows: torch.Tensor, batch_size: int) -> list[tuple[torch.Tensor, dict]]:
+    """(hidden [b, S, H], layer kwargs) per batch, as the first decoder layer receives them."""
+    first = decoder_layers(model)[0]
+    captured: list[tuple[torch.Tensor, dict]] = []
+
+    def grab(module, args, kwargs):
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")}
+        captured.append((hidden.detach(), kwargs))
+        raise _Stop
+
+    handle = first.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for i in range(0, len(windows), batch_size):
+            try:
+                model(input_ids=windows[i:i + batch_size], use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    return captured
+
+
+@torch.inference_mode()
+def _forward_all(layer, batches, device, keep: bool):
+    outs = []
+    for hidden, kwargs in batches:
+        out = layer(_to(hidden, device), **_to(kwargs, device))
+        out = out[0] if isinstance(out, tuple) else out
+        if keep:
+            outs.append((out.to(hidden.device), kwargs))
+    return outs
+
+
+def run_layerwise(model, windows: torch.Tensor, method: LayerMethod, device: str = "cpu",
+                  batch_size: int = 8, on_layer: Callable[[LayerReport, int], None] | None = None) -> list[LayerReport]:
+    """Drive `method` over every decoder layer; returns one report per layer."""
+    layers = decoder_layers(model)
+    batches = capture_inputs(model, windows, batch_size)
+    reports = []
+    for index, layer in enumerate(layers):
+        start = time.perf_counter()
+        layer.to(device)
+        handles = [layer.get_submodule(name).register_forward_pre_hook(_observer(cb))
+                   for name, cb in method.observers(index, layer).items()]
+        try:
+            _forward_all(layer, batches, device, keep=False)
+        finally:
+            for h in handles:
+                h.remove()
+        with torch.no_grad():
+            stats = method.process(index, layer)
+        batches = _forward_all(layer, batches, device, keep=True)
+        layer.to("cpu")
+        report = LayerReport(index, time.perf_counter() - start, stats)
+        reports.append(report)
+        if on_layer:
+            on_layer(report, len(layers))
+    return reports
+
+
+def _observer(callback):
+    def hook(module, args):
+        callback(args[0].detach())
+    return hook

@@ -1,0 +1,196 @@
+"""The layer methods (RTN, GPTQ, AWQ, SmoothQuant) that the layer-by-layer driver runs.
+
+Each method quantizes the targeted Linears of one decoder layer, records the integer tensors for
+export in `results`, and leaves the dequantized weights in the layer so that the next layer is
+calibrated on the outputs of the already quantized one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .awq import awq_search_scale
+from .fold import apply_scale_to_linears, apply_scale_to_norm, apply_scale_to_prev_linear
+from .gptq import HessianAccumulator, gptq_quantize
+from .rtn import QuantArgs, compute_qparams, dequantize, quantize
+from .smoothquant import smooth_scales
+
+# Llama-family layer: groups of linears that share one input, and where a scale on that input folds.
+SHARED_INPUTS = (
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    ("mlp.up_proj", ("mlp.down_proj",)),
+)
+
+
+@dataclass
+class QuantizedLinear:
+    """What export needs for one Linear: integer weights and their parameters."""
+
+    q: torch.Tensor  # int8 [out, in], signed grid
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    args: QuantArgs
+    activations: bool = False  # W8A8: dynamic per-token int8 inputs at run time
+
+
+class LayerQuantizer:
+    """Base: `targets` maps a layer index to {name inside the layer: QuantArgs}."""
+
+    def __init__(self, targets: dict[int, dict[str, QuantArgs]], activations: bool = False):
+        self.targets = targets
+        self.activations = activations
+        self.results: dict[str, QuantizedLinear] = {}
+
+    def observers(self, index: int, layer: nn.Module) -> dict:
+        return {}
+
+    def _store(self, index: int, name: str, linear: nn.Linear, q, scale, zp, args) -> float:
+        w = linear.weight.data
+        deq = dequantize(q, scale, zp, args).to(w.dtype)
+        err = ((deq.float() - w.float()).norm() / w.float().norm().clamp_min(1e-12)).item()
+        linear.weight.data = deq
+        self.results[f"model.layers.{index}.{name}"] = QuantizedLinear(q, scale, zp, args, self.activations)
+        return err
+
+    def _rtn(self, index: int, layer: nn.Module) -> dict:
+        errors = {}
+        for name, args in self.targets.get(index, {}).items():
+            linear = layer.get_submodule(name)
+            w = linear.weight.data.float()
+            mask = w == 0
+            scale, zp = compute_qparams(w, args)
+            q = quantize(w, scale, zp, args)
+            errors[name] = self._store(index, name, linear, _keep_zeros(q, zp, mask, args), scale, zp, args)
+        return {"rel_weight_error": errors}
+
+    def process(self, index: int, layer: nn.Module) -> dict:
+        return self._rtn(index, layer)
+
+
+def _keep_zeros(q, zp, mask, args):
+    """Weights that are exactly zero (pruned) map to the grid's zero."""
+    if not mask.any():
+        return q
+    if zp is None:
+        return q.masked_fill(mask, 0)
+    g = q.shape[1] if args.group_size == -1 else args.group_size
+    zero = zp.repeat_interleave(g, dim=1).to(q.dtype)
+    return torch.where(mask, zero, q)
+
+
+class GPTQ(LayerQuantizer):
+    def __init__(self, targets, damp: float, act_order: bool):
+        super().__init__(targets)
+        self.damp, self.act_order = damp, act_order
+        self.hessians: dict[str, HessianAccumulator] = {}
+
+    def observers(self, index, layer):
+        self.hessians = {name: HessianAccumulator(layer.get_submodule(name).in_features)
+                         for name in self.targets.get(index, {})}
+        return {name: acc.add for name, acc in self.hessians.items()}
+
+    def process(self, index, layer):
+        errors = {}
+        for name, args in self.targets.get(index, {}).items():
+            linear = layer.get_submodule(name)
+            w = linear.weight.data.float()
+            mask = w == 0
+            res = gptq_quantize(w, self.hessians[name].hessian, args, damp=self.damp,
+                                act_order=self.act_order, mask=mask if mask.any() else None)
+            self._store(index, name, linear, res.q, res.scale, res.zero_point, args)
+            errors[name] = res.error
+        self.hessians = {}
+        return {"gptq_loss": errors}
+
+
+class ActivationSampler:
+    """Keeps a bounded, deterministic sample of input rows [n, in] for scale searches."""
+
+    def __init__(self, max_rows: int = 4096):
+        self.max_rows = max_rows
+        self.rows: list[torch.Tensor] = []
+        self.absmax: torch.Tensor | None = None
+        self.count = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        flat = x.reshape(-1, x.shape[-1]).float()  # [B*S, in]
+        amax = flat.abs().amax(0)
+        self.absmax = amax if self.absmax is None else torch.maximum(self.absmax, amax)
+        if self.count < self.max_rows:
+            step = max(1, flat.shape[0] // 512)
+            take = flat[::step][: self.max_rows - self.count]
+            self.rows.append(take)
+            self.count += take.shape[0]
+
+    def sample(self) -> torch.Tensor:
+        return torch.cat(self.rows)
+
+
+class _Smoothing(LayerQuantizer):
+    """Shared: observe each shared-input group's input; subclasses choose the scale."""
+
+    def observers(self, index, layer):
+        self.samplers = {}
+        for _, names in SHARED_INPUTS:
+            if all(n in self.targets.get(index, {}) for n in names):
+                self.samplers[names[0]] = ActivationSampler()
+        return {name: s.add for name, s in self.samplers.items()}
+
+    def _fold(self, layer, prev: str, names, s: torch.Tensor) -> None:
+        """Divide the input by s where it is produced, multiply the consuming weights by s."""
+        prev_mod = layer.get_submodule(prev)
+        fold = apply_scale_to_prev_linear if isinstance(prev_mod, nn.Linear) else apply_scale_to_norm
+        prev_mod.weight.data, _ = fold(prev_mod.weight.data, s)
+        linears = [layer.get_submodule(n) for n in names]
+        for linear, w in zip(linears, apply_scale_to_linears([m.weight.data for m in linears], s)):
+            linear.weight.data = w
+
+    def _smooth_layer(self, index, layer) -> dict:
+        scales = {}
+        for prev, names in SHARED_INPUTS:
+            sampler = self.samplers.get(names[0])
+            if sampler is None:
+                continue
+            s = self.scale_for(sampler, [layer.get_submodule(n).weight.data.float() for n in names], names)
+            self._fold(layer, prev, names, s.float())
+            scales[names[0]] = float(s.max() / s.min())
+        self.samplers = {}
+        return scales
+
+
+class AWQ(_Smoothing):
+    def scale_for(self, sampler, weights, names):
+        args = self.targets_args[names[0]]
+        s, best, at_one = awq_search_scale(sampler.sample(), weights, args)
+        self.losses[names[0]] = (best, at_one)
+        return s
+
+    def process(self, index, layer):
+        self.targets_args, self.losses = self.targets.get(index, {}), {}
+        spread = self._smooth_layer(index, layer)
+        stats = self._rtn(index, layer)
+        stats["awq_loss_vs_rtn"] = {k: b / max(a, 1e-20) for k, (b, a) in self.losses.items()}
+        stats["scale_spread"] = spread
+        return stats
+
+
+class SmoothQuant(_Smoothing):
+    def __init__(self, targets, alpha: float):
+        super().__init__(targets, activations=True)
+        self.alpha = alpha
+
+    def scale_for(self, sampler, weights, names):
+        return smooth_scales(sampler.absmax, weights, self.alpha)
+
+    def process(self, index, layer):
+        spread = self._smooth_layer(index, layer)
+        errors = {}
+        for name, args in self.targets.get(index, {}).items():
+            linear = layer.get_submodule(name)
+            w = linear.weight.data.float()
+            scale, _ = compute_qparams(w, args)  # per channel, symmetric int8: the W8A8 weight layout
+            errors[name] = self._store(index, name, linear, quantize(w, scale, None, args), scale, None, args)
+        return {"rel_weight_error": errors, "scale_spread": spread}

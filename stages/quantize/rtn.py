@@ -1,0 +1,138 @@
+"""Integer grids and round-to-nearest quantization, group-wise, in compressed-tensors' conventions.
+
+The artifacts we write are read back by transformers + compressed-tensors (and vLLM), which
+dequantize with the stored scale and zero point; so every formula here follows
+compressed-tensors 0.20.1 (`calculate_qparams`, `lifecycle.forward.quantize/dequantize`) operation
+for operation, which makes our dequantized weights bit-exact with theirs:
+
+- signed grid [-2^(b-1), 2^(b-1) - 1]; the range of each group always includes 0.
+- symmetric: scale = absmax / ((2^b - 1) / 2)  (absmax / 7.5 for 4 bits, / 127.5 for 8 bits),
+  no zero point (the format drops it).
+- asymmetric: scale = (max - min) / (2^b - 1), zero = round(clamp(qmin - min / scale)) as int8.
+- a scale of exactly 0 (an all-zero group) becomes the float eps of the scale's dtype.
+- q = round(clamp(w / scale + zero, qmin, qmax)) (round half to even); w' = (q - zero) * scale.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError
+
+AUTO_GROUP_SIZES = (128, 64, 32)
+
+
+@dataclass(frozen=True)
+class QuantArgs:
+    bits: int
+    group_size: int  # -1 = per output channel
+    symmetric: bool = True
+    # Scales are stored in the checkpoint's dtype (compressed-tensors does the same); rounding them
+    # before quantizing keeps the codes optimal for, and the dequantized weights equal to, what is stored.
+    scale_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.bits <= 8:
+            raise ConfigError(f"weight bits must lie in 2..8 (got {self.bits})")
+        if self.group_size != -1 and self.group_size < 1:
+            raise ConfigError(f"group size must be -1 (per channel) or positive (got {self.group_size})")
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+
+def resolve_group_size(in_features: int, requested: int | str, layer: str = "") -> int:
+    """The group size for a layer: "auto" picks 128, else 64, else 32 where it divides, else -1."""
+    where = f"layer {layer}" if layer else "the layer"
+    valid = [g for g in AUTO_GROUP_SIZES if in_features % g == 0] + [-1]
+    if requested == "auto":
+        return valid[0]
+    try:
+        size = int(requested)
+    except (TypeError, ValueError):
+        raise ConfigError(f"group size must be auto, -1 or a positive integer (got {requested!r})") from None
+    if size == -1:
+        return -1
+    if size < 1 or in_features % size:
+        raise ConfigError(f"group size {size} does not divide the input size {in_features} of {where}; "
+                          f"valid sizes: {', '.join(map(str, valid))} (or auto)")
+    return size
+
+
+def group_width(in_features: int, args: QuantArgs) -> int:
+    """Columns per group: the whole row when per channel; raises if the size does not divide."""
+    if args.group_size == -1:
+        return in_features
+    if in_features % args.group_size:
+        raise ConfigError(f"group size {args.group_size} does not divide the input size {in_features}")
+    return args.group_size
+
+
+def _groups(w: Tensor, args: QuantArgs) -> Tensor:
+    out, cols = w.shape
+    g = group_width(cols, args)
+    return w.reshape(out, cols // g, g)  # [out, in/g, g]
+
+
+def qparams_from_minmax(min_vals: Tensor, max_vals: Tensor, args: QuantArgs) -> tuple[Tensor, Tensor | None]:
+    """Scale and zero point (int8, None when symmetric) from per-group minima and maxima."""
+    # 0 must stay representable: pruned zeros and padding dequantize to exactly 0.
+    min_vals = torch.clamp(min_vals, max=0)
+    max_vals = torch.clamp(max_vals, min=0)
+    bit_range = float(args.qmax - args.qmin)
+    if args.symmetric:
+        scale = torch.maximum(min_vals.abs(), max_vals) / (bit_range / 2)
+    else:
+        scale = (max_vals - min_vals) / bit_range
+    if args.scale_dtype is not None and args.scale_dtype != scale.dtype:
+        scale = scale.to(args.scale_dtype).to(scale.dtype)
+    zero = None
+    if not args.symmetric:
+        # An all-zero group gives 0/0 = NaN; any integer zero point maps 0 to 0 there, take 0.
+        zero = torch.clamp(args.qmin - min_vals / scale, args.qmin, args.qmax).nan_to_num(0.0)
+        zero = torch.round(zero).to(torch.int8)
+    return torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale), zero
+
+
+def compute_qparams(w: Tensor, args: QuantArgs) -> tuple[Tensor, Tensor | None]:
+    """RTN qparams of w [out, in]: scale [out, in/g] float32 (float64 for float64 w), zero or None."""
+    wg = _groups(w.to(_work_dtype(w)), args)  # [out, in/g, g]
+    return qparams_from_minmax(wg.amin(dim=-1), wg.amax(dim=-1), args)
+
+
+def quantize(w: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantArgs) -> Tensor:
+    """Integer codes int8 [out, in] in [qmin, qmax] of w on the grid (scale, zero_point)."""
+    wg = _groups(w, args)  # [out, in/g, g]
+    x = wg / scale.unsqueeze(-1)
+    if zero_point is not None:
+        x = x + zero_point.unsqueeze(-1).to(w.dtype)
+    return torch.round(torch.clamp(x, args.qmin, args.qmax)).to(torch.int8).reshape(w.shape)
+
+
+def dequantize(q: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantArgs) -> Tensor:
+    """Float weights (scale's dtype) [out, in] from codes: (q - zero) * scale."""
+    x = _groups(q, args).to(scale.dtype)  # [out, in/g, g]
+    if zero_point is not None:
+        x = x - zero_point.unsqueeze(-1).to(scale.dtype)
+    return (x * scale.unsqueeze(-1)).reshape(q.shape)
+
+
+def fake_quantize(w: Tensor, args: QuantArgs, scale: Tensor | None = None,
+                  zero_point: Tensor | None = None) -> Tensor:
+    """Quantize then dequantize w (qparams computed by RTN when not given); returns w's dtype."""
+    if scale is None:
+        scale, zero_point = compute_qparams(w, args)
+    q = quantize(w, scale, zero_point, args)
+    return dequantize(q, scale, zero_point, args).to(w.dtype)
+
+
+def _work_dtype(w: Tensor) -> torch.dtype:
+    # float64 stays float64 (reference tests); everything else is computed in float32.
+    return torch.float64 if w.dtype == torch.float64 else torch.float32

@@ -1,0 +1,121 @@
+"""`llmopt quantize`: source -> quantized artifact in the compressed-tensors layout."""
+from __future__ import annotations
+
+import fnmatch
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..artifact import Artifact, ArtifactWriter, check_destination
+from ..calib import calibration_windows
+from ..errors import ConfigError
+from ..layerwise import decoder_layers, run_layerwise
+from .config import QuantizeConfig
+from .methods import AWQ, GPTQ, LayerQuantizer, SmoothQuant
+from .rtn import QuantArgs, resolve_group_size
+
+ALWAYS_IGNORED = ("lm_head",)
+
+
+@dataclass
+class QuantizeHooks:
+    """Progress callbacks from the stage to whoever renders it (the CLI)."""
+
+    status: callable = lambda message: None
+    layer: callable = lambda report, total: None
+    window: callable = lambda done, total: None
+
+
+def linear_names(model) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.search(pattern[3:], name) is not None
+    return fnmatch.fnmatchcase(name, pattern) or name == pattern or name.endswith("." + pattern)
+
+
+def plan_targets(model, config: QuantizeConfig) -> dict[int, dict[str, QuantArgs]]:
+    """{layer index: {name inside layer: QuantArgs}}; refuses ignore patterns that match nothing."""
+    names = linear_names(model)
+    for pattern in config.ignore:
+        if not any(_matches(n, pattern) for n in names):
+            raise ConfigError(f"--ignore {pattern} matches no Linear layer (e.g. {names[0]}, {names[-1]})")
+    patterns = ALWAYS_IGNORED + tuple(config.ignore)
+    prefixes = {f"model.layers.{i}.": i for i in range(len(decoder_layers(model)))}
+    targets: dict[int, dict[str, QuantArgs]] = {}
+    for name in names:
+        if any(_matches(name, p) for p in patterns):
+            continue
+        index = next((i for pre, i in prefixes.items() if name.startswith(pre)), None)
+        if index is None:
+            raise ConfigError(f"{name}: Linear outside the decoder layers; add --ignore {name}")
+        linear = model.get_submodule(name)
+        gs = -1 if config.scheme == "W8A8" else resolve_group_size(linear.in_features, _requested(config), layer=name)
+        args = QuantArgs(bits=config.weight_bits, group_size=gs, symmetric=config.symmetric,
+                         scale_dtype=linear.weight.dtype)
+        targets.setdefault(index, {})[name[len(f"model.layers.{index}."):]] = args
+    return targets
+
+
+def _requested(config: QuantizeConfig):
+    return config.group_size if config.group_size == "auto" else int(config.group_size)
+
+
+def check_not_quantized(model) -> None:
+    qc = getattr(model.config, "quantization_config", None)
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "?")
+        raise ConfigError(f"the source is already quantized ({method}); quantize its unquantized parent instead")
+
+
+def make_method(config: QuantizeConfig, targets) -> LayerQuantizer:
+    if config.method == "gptq":
+        return GPTQ(targets, config.damp, config.act_order)
+    if config.method == "awq":
+        return AWQ(targets)
+    if config.method == "smoothquant":
+        return SmoothQuant(targets, config.smoothing_alpha)
+    return LayerQuantizer(targets, activations=config.scheme == "W8A8")
+
+
+def quantize_model(model, tokenizer, config: QuantizeConfig, hooks: QuantizeHooks) -> tuple[LayerQuantizer, list]:
+    """Quantize `model` in place (dequantized weights stay in it); returns the method and reports."""
+    targets = plan_targets(model, config)
+    method = make_method(config, targets)
+    if config.method in ("gptq", "awq", "smoothquant"):
+        hooks.status(f"calibration: {config.calib.nsamples} x {config.calib.seqlen} tokens of {config.calib.calib}")
+        windows = calibration_windows(tokenizer, config.calib, model)
+    else:
+        windows = torch.zeros(1, 2, dtype=torch.long)  # RTN needs no data; one tiny pass drives the layers
+    reports = run_layerwise(model, windows, method, device=config.device,
+                            batch_size=config.batch_size, on_layer=hooks.layer)
+    return method, reports
+
+
+def export_state(model, method: LayerQuantizer) -> tuple[dict, dict]:
+    """(compressed state dict, quantization_config) from the quantized model and its codes."""
+    from ..compressed import LinearScheme, build_quantization_config, compress_linear
+
+    state = dict(model.state_dict())
+    dtype = next(model.parameters()).dtype  # scales are stored in the checkpoint's dtype
+    schemes = {}
+    for name, res in method.results.items():
+        scheme = LinearScheme(res.args.bits, res.args.group_size, res.args.symmetric, res.activations)
+        schemes[name] = scheme
+        state.pop(f"{name}.weight")
+        state.update(compress_linear(name, res.q, res.scale, res.zero_point, scheme, dtype))
+    return state, build_quantization_config(schemes, linear_names(model))
+
+
+def per_layer_table(method: LayerQuantizer, reports: list) -> dict:
+    """Manifest record: each quantized Linear's bits / group size, and each layer's error stats."""
+    layers = {name: {"bits": r.args.bits, "group_size": r.args.group_size, "symmetric": r.args.symmetric,
+                     "activations": "int8-per-token" if r.activations else None}
+              for name, r in method.results.items()}
+    return {"linears": layers, "layers": [{"index": r.index, "seconds": round(r.seconds, 3), **r.stats}
+                                          for r in reports]}

@@ -1,0 +1,59 @@
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized import helpers as ct_pack
+
+from llmopt.stages.ctpack import (pack_int4, pack_to_int32, pack_zero_point, unpack_from_int32,
+                                         unpack_int4, unpack_zero_point)
+
+SHAPES = [(7, 576), (33, 64), (5, 40), (3, 13), (1, 8)]
+
+
+def codes(shape, bits, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lo = -(1 << (bits - 1))
+    return torch.randint(lo, -lo, shape, generator=gen, dtype=torch.int64).to(torch.int8)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dim", [0, 1])
+def test_pack_matches_compressed_tensors_bit_exact(bits, shape, dim):
+    q = codes(shape, bits, seed=bits)
+    ours = pack_to_int32(q, bits, packed_dim=dim)
+    theirs = ct_pack.pack_to_int32(q, bits, packed_dim=dim)
+    assert ours.dtype == torch.int32 and torch.equal(ours, theirs)
+    assert torch.equal(unpack_from_int32(ours, bits, q.shape, packed_dim=dim), q)
+    assert torch.equal(ct_pack.unpack_from_int32(ours, bits, torch.Size(q.shape), packed_dim=dim), q)
+
+
+def test_int4_layout_column_8c_plus_j_in_bits_4j():
+    q = torch.tensor([[-8, -7, 0, 1, 2, 3, 4, 7, 5, -1]], dtype=torch.int8)
+    packed = pack_int4(q)
+    assert packed.shape == (1, 2)
+    word = packed[0, 0].item() & 0xFFFFFFFF
+    assert [(word >> (4 * j)) & 0xF for j in range(8)] == [v + 8 for v in q[0, :8].tolist()]
+    assert packed[0, 1].item() == (5 + 8) | ((-1 + 8) << 4)
+    assert torch.equal(unpack_int4(packed, 10), q)
+
+
+def test_int4_extremes_roundtrip():
+    q = torch.full((3, 16), 7, dtype=torch.int8)
+    q[1] = -8
+    assert torch.equal(unpack_int4(pack_int4(q), 16), q)
+    assert pack_int4(q)[0, 0].item() == -1  # 0xFFFFFFFF: fifteen in every nibble, as int32
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_zero_point_packs_along_the_output_dim(bits):
+    zp = codes((11, 9), bits, seed=3)  # [out, in/g], odd out
+    packed = pack_zero_point(zp, bits)
+    assert packed.shape == (-(-11 * bits // 32), 9)
+    assert torch.equal(packed, ct_pack.pack_to_int32(zp, bits, packed_dim=0))
+    assert torch.equal(unpack_zero_point(packed, bits, 11), zp)
+
+
+def test_out_of_range_codes_are_refused():
+    with pytest.raises(ValueError, match="range"):
+        pack_int4(torch.tensor([[8]], dtype=torch.int8))
+    with pytest.raises(ValueError):
+        pack_to_int32(torch.zeros(2, 2, dtype=torch.int32), 4)
