@@ -201,3 +201,12 @@ def test_bitsandbytes_artifacts_reload(tmp_path, scheme):
     out = _logits(model)
     assert torch.isfinite(out).all()
     assert torch.equal(out, _logits(direct))  # the saved artifact is what bitsandbytes made in memory
+
+
+def test_inspect_counts_packed_parameters(tiny_hf, tmp_path, calib_text):
+    from llmopt.stages.inspect import summarize
+
+    art = run_quantize(str(tiny_hf[0]), tmp_path / "q", _config(calib_text, method="rtn"))
+    summary = summarize(art.path, art.manifest)
+    assert summary["num_parameters"] == sum(p.numel() for p in tiny_hf[1].parameters())
+    assert "I32" in summary["by_dtype"]  # the packed int4 words
