@@ -51,7 +51,22 @@ def render_summary(s: dict) -> None:
     if m.get("source"):
         src = m["source"]
         out.print(f"[cyan]source[/cyan] {src.get('kind')} {src.get('ref')} sha256={str(src.get('sha256', '-'))[:16]}")
-    _table("metrics", ["metric", "value"], [[k, _short(v)] for k, v in (m.get("metrics") or {}).items()])
+    metrics = m.get("metrics") or {}
+    _table("metrics", ["metric", "value"], [[k, _short(v)] for k, v in metrics.items() if k != "sparsity"])
+    _sparsity_table(metrics.get("sparsity"))
+
+
+def _sparsity_table(s: dict | None) -> None:
+    """Per decoder layer, the share of zeros in each pruned Linear (from `llmopt prune`)."""
+    by_layer: dict[int, dict[str, float]] = {}
+    for name, value in ((s or {}).get("linears") or {}).items():
+        parts = name.split(".")  # model.layers.{i}.{module}.{linear}
+        if len(parts) > 3 and parts[2].isdigit():
+            by_layer.setdefault(int(parts[2]), {})[".".join(parts[3:])] = value
+    columns = list(dict.fromkeys(c for row in by_layer.values() for c in row))
+    rows = [[str(i)] + [f"{row[c]:.1%}" if c in row else "-" for c in columns] for i, row in sorted(by_layer.items())]
+    title = f"sparsity: {s['method']} {s['pattern']}, {s['overall']:.2%} of the pruned weights" if rows else ""
+    _table(title, ["layer"] + [c.split(".")[-1] for c in columns], rows)
 
 
 def _short(value, limit: int = 90) -> str:

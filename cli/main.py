@@ -8,7 +8,7 @@ from typer.exceptions import TyperException
 
 from llmopt.stages.errors import LlmoptError
 
-from . import eval_cmd, import_cmd, inspect_cmd, quantize_cmd
+from . import eval_cmd, import_cmd, inspect_cmd, prune_cmd, quantize_cmd
 
 app = typer.Typer(
     name="llmopt", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -17,6 +17,7 @@ app = typer.Typer(
 app.command("import", help="Write a base artifact from any model source.")(import_cmd.run)
 app.command("inspect", help="Show an artifact's manifest, lineage, sizes and metrics.")(inspect_cmd.run)
 app.command("quantize", help="Quantize (RTN, GPTQ, AWQ, SmoothQuant, bitsandbytes) into a compressed-tensors artifact.")(quantize_cmd.run)
+app.command("prune", help="Prune (magnitude, Wanda, SparseGPT; unstructured, N:M) or shrink (MLP channels, layers).")(prune_cmd.run)
 app.command("eval", help="Perplexity (and KL vs a reference) on a text, GPTQ-style windows.")(eval_cmd.run)
 
 

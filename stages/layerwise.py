@@ -7,6 +7,7 @@ sits on the compute device at a time: peak memory is about one layer plus activa
 """
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -25,6 +26,9 @@ class LayerMethod(Protocol):
 
     def process(self, index: int, layer: nn.Module) -> dict:
         """Rewrite the layer's weights after observation; return per-layer statistics."""
+
+    # Optional: `finish(index, layer)` runs once the rewritten layer has produced the next layer's
+    # inputs, e.g. to write the layer out and free its weights.
 
 
 @dataclass
@@ -110,13 +114,27 @@ def run_layerwise(model, windows: torch.Tensor, method: LayerMethod, device: str
                 h.remove()
         with torch.no_grad():
             stats = method.process(index, layer)
-        batches = _forward_all(layer, batches, device, keep=True)
+        if index + 1 < len(layers):  # the last layer's outputs feed nothing
+            batches = _forward_all(layer, batches, device, keep=True)
         layer.to("cpu")
+        if hasattr(method, "finish"):
+            method.finish(index, layer)
+        _return_freed_memory()
         report = LayerReport(index, time.perf_counter() - start, stats)
         reports.append(report)
         if on_layer:
             on_layer(report, len(layers))
     return reports
+
+
+def _return_freed_memory() -> None:
+    """Hand freed heap pages back to the OS between layers. glibc keeps them in per-thread arenas
+    otherwise, and a long layer-by-layer run then looks (and is, to the OS) as big as its worst layer
+    times the threads (see scripts/bench_quantize_memory.py)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do
+        pass
 
 
 def _observer(callback):

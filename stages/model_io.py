@@ -46,13 +46,15 @@ def _quant_method(qc) -> str:
     return str(getattr(method, "value", method))
 
 
-def save_model(model, tokenizer, directory: Path, max_shard_bytes: int = 2 << 30, state: dict | None = None,
-               quantization_config: dict | None = None) -> list[str]:
-    """Write config, generation config, tokenizer and safetensors weights into `directory`.
+def save_model(model, tokenizer, directory: Path, max_shard_bytes: int = 2 << 30) -> list[str]:
+    """Write config, generation config, tokenizer and safetensors weights into `directory`."""
+    save_model_files(model, tokenizer, directory)
+    return save_state_dict(model.state_dict(), directory, max_shard_bytes)
 
-    `state` replaces the model's own state dict (e.g. compressed tensors), described by
-    `quantization_config` in config.json.
-    """
+
+def save_model_files(model, tokenizer, directory: Path, quantization_config: dict | None = None) -> None:
+    """Everything but the weights: config.json (with `quantization_config` if given), generation
+    config, tokenizer."""
     config = clean_config(model.config)
     config.dtype = next(model.parameters()).dtype
     if quantization_config is not None:
@@ -64,7 +66,6 @@ def save_model(model, tokenizer, directory: Path, max_shard_bytes: int = 2 << 30
         model.generation_config.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
-    return save_state_dict(model.state_dict() if state is None else state, directory, max_shard_bytes)
 
 
 def load_config(directory: Path):

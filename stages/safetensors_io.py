@@ -152,3 +152,44 @@ def fsync_tree(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class ShardWriter:
+    """Writes a state dict piece by piece (a quantized layer at a time), so a stage never holds the
+    whole output model in memory. `close` names the files model-0000i-of-0000n and writes the index
+    (or a single model.safetensors)."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self.parts: list[str] = []
+        self.weight_map: dict[str, str] = {}
+        self.total = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        if not tensors:
+            return
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in _dedup_shared(tensors).items()}
+        clash = set(tensors) & set(self.weight_map)
+        if clash:
+            raise ValueError(f"tensor written twice: {sorted(clash)[0]}")
+        name = f"part-{len(self.parts):05d}.safetensors"
+        save_file(tensors, str(self.directory / name), metadata={"format": "pt"})
+        self.parts.append(name)
+        self.weight_map.update({k: name for k in tensors})
+        self.total += sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def close(self) -> list[str]:
+        import os
+
+        n = len(self.parts)
+        final = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        renames = dict(zip(self.parts, final))
+        for old, new in renames.items():
+            os.replace(self.directory / old, self.directory / new)
+        if n > 1:
+            index = {"metadata": {"total_size": self.total},
+                     "weight_map": {k: renames[v] for k, v in sorted(self.weight_map.items())}}
+            (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2))
+        return final

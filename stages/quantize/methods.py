@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..compressed import LinearScheme, compress_linear
 from .awq import awq_search_scale
 from .fold import apply_scale_to_linears, apply_scale_to_norm, apply_scale_to_prev_linear
 from .gptq import HessianAccumulator, gptq_quantize
@@ -37,15 +38,36 @@ class QuantizedLinear:
 
 
 class LayerQuantizer:
-    """Base: `targets` maps a layer index to {name inside the layer: QuantArgs}."""
+    """Base: `targets` maps a layer index to {name inside the layer: QuantArgs}.
 
-    def __init__(self, targets: dict[int, dict[str, QuantArgs]], activations: bool = False):
+    With a `sink` (a callable taking a dict of compressed tensors), each finished layer is packed,
+    handed to the sink and its weights freed, so memory holds about one layer at a time; without one
+    the dequantized weights stay in the model and the codes in `results` (small models, tests).
+    """
+
+    def __init__(self, targets: dict[int, dict[str, QuantArgs]], activations: bool = False, sink=None):
         self.targets = targets
         self.activations = activations
+        self.sink = sink
         self.results: dict[str, QuantizedLinear] = {}
 
     def observers(self, index: int, layer: nn.Module) -> dict:
         return {}
+
+    def finish(self, index: int, layer: nn.Module) -> None:
+        if self.sink is None:
+            return
+        tensors = {}
+        for name in self.targets.get(index, {}):
+            full = f"model.layers.{index}.{name}"
+            res, linear = self.results[full], layer.get_submodule(name)
+            scheme = LinearScheme(res.args.bits, res.args.group_size, res.args.symmetric, res.activations)
+            tensors.update(compress_linear(full, res.q, res.scale, res.zero_point, scheme, linear.weight.dtype))
+            if linear.bias is not None:
+                tensors[f"{full}.bias"] = linear.bias.data
+            res.q = res.scale = res.zero_point = None  # written: drop codes and dense weights
+            linear.weight = nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)
+        self.sink(tensors)
 
     def _store(self, index: int, name: str, linear: nn.Linear, q, scale, zp, args) -> float:
         w = linear.weight.data

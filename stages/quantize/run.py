@@ -7,12 +7,14 @@ from pathlib import Path
 import torch
 
 from ..artifact import Artifact, ArtifactWriter, check_destination
-from ..evaluate import EvalConfig, evaluate, metric_key
 from ..importer import model_info
-from ..model_io import load_model_dir, load_tokenizer, save_model
+from ..model_io import save_model_files
+from ..safetensors_io import ShardWriter
 from ..source import Loaded, load, source_record
+from ..stage_eval import evaluate_written, perplexity
 from .config import QuantizeConfig
-from .stage import QuantizeHooks, check_not_quantized, export_state, per_layer_table, plan_targets, quantize_model
+from .stage import (QuantizeHooks, check_not_quantized, per_layer_table, plan_targets, quantization_config_of,
+                    quantize_model, rest_of_state)
 
 
 def run_quantize(source_ref: str, dest: Path, config: QuantizeConfig, dtype: torch.dtype | None = None,
@@ -31,14 +33,16 @@ def run_quantize(source_ref: str, dest: Path, config: QuantizeConfig, dtype: tor
     plan_targets(loaded.model, config)  # bad group sizes / ignore patterns fail before any work
     same_dtype = dtype is None or (loaded.artifact and loaded.artifact.manifest["model"].get("dtype") == _name(dtype))
     base = _eval(loaded.model, loaded.tokenizer, config, hooks, "base", loaded.artifact if same_dtype else None)
-    start = time.perf_counter()
-    method, reports = quantize_model(loaded.model, loaded.tokenizer, config, hooks)
-    seconds = time.perf_counter() - start
-    state, qconfig = export_state(loaded.model, method)
-    hooks.status(f"writing {dest}")
-    with ArtifactWriter(dest, force=force) as w:
-        save_model(loaded.model, loaded.tokenizer, w.tmp, state=state, quantization_config=qconfig)
-        info = model_info(loaded.model)
+    info = model_info(loaded.model)
+    with ArtifactWriter(dest, force=force) as w:  # layers stream into it; any failure removes it
+        shards = ShardWriter(w.tmp)
+        start = time.perf_counter()
+        method, reports = quantize_model(loaded.model, loaded.tokenizer, config, hooks, sink=shards.add)
+        seconds = time.perf_counter() - start
+        hooks.status(f"writing {dest}")
+        shards.add(rest_of_state(loaded.model, method))
+        shards.close()
+        save_model_files(loaded.model, loaded.tokenizer, w.tmp, quantization_config_of(loaded.model, method))
         art = w.commit("quantize", config.to_dict(), loaded.artifact, _source(loaded), model=info,
                        metrics={"size_bytes": _weights_bytes(w.tmp), "quantize_seconds": round(seconds, 1),
                                 "quantization": per_layer_table(method, reports)})
@@ -60,33 +64,11 @@ def _weights_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
 
 
-def _eval_config(config: QuantizeConfig) -> EvalConfig:
-    return EvalConfig(text="wikitext2", seqlen=2048, max_windows=config.eval_windows)
-
-
 def _eval(model, tokenizer, config, hooks, label: str, artifact: Artifact | None) -> dict | None:
     """Perplexity on the quick subset, reusing a result already stored in the artifact."""
-    if config.eval_windows == 0:
-        return None
-    ecfg = _eval_config(config)
-    key = metric_key(ecfg)
-    if artifact is not None and key in artifact.manifest.get("metrics", {}):
-        return artifact.manifest["metrics"][key]
-    hooks.status(f"perplexity of the {label} model on {config.eval_windows} windows")
-    result = evaluate(model, tokenizer, ecfg, on_window=hooks.window).to_dict()
-    result.pop("window_nll")
-    if artifact is not None:
-        artifact.update_metrics(key, result)
-    return result
+    return perplexity(model, tokenizer, config.eval_windows, hooks, label, artifact)
 
 
 def _evaluate_written(art: Artifact, config: QuantizeConfig, hooks, base: dict | None) -> None:
     """Evaluate the artifact as written (loaded back from disk), store before/after."""
-    if base is None:
-        return
-    model = load_model_dir(art.path, files=art.weight_files)
-    after = _eval(model, load_tokenizer(art.path), config, hooks, "quantized", art)
-    art.update_metrics("perplexity_before_after", {
-        "protocol": f"wikitext2 test, seqlen 2048, first {config.eval_windows} windows",
-        "before": base["perplexity"], "after": after["perplexity"],
-        "increase_pct": 100 * (after["perplexity"] / base["perplexity"] - 1)})
+    evaluate_written(art, config.eval_windows, hooks, base, "quantized")

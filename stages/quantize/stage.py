@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import fnmatch
 import re
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..artifact import Artifact, ArtifactWriter, check_destination
 from ..calib import calibration_windows
 from ..errors import ConfigError
 from ..layerwise import decoder_layers, run_layerwise
@@ -73,20 +71,27 @@ def check_not_quantized(model) -> None:
         raise ConfigError(f"the source is already quantized ({method}); quantize its unquantized parent instead")
 
 
-def make_method(config: QuantizeConfig, targets) -> LayerQuantizer:
+def make_method(config: QuantizeConfig, targets, sink=None) -> LayerQuantizer:
     if config.method == "gptq":
-        return GPTQ(targets, config.damp, config.act_order)
-    if config.method == "awq":
-        return AWQ(targets)
-    if config.method == "smoothquant":
-        return SmoothQuant(targets, config.smoothing_alpha)
-    return LayerQuantizer(targets, activations=config.scheme == "W8A8")
+        method = GPTQ(targets, config.damp, config.act_order)
+    elif config.method == "awq":
+        method = AWQ(targets)
+    elif config.method == "smoothquant":
+        method = SmoothQuant(targets, config.smoothing_alpha)
+    else:
+        method = LayerQuantizer(targets, activations=config.scheme == "W8A8")
+    method.sink = sink
+    return method
 
 
-def quantize_model(model, tokenizer, config: QuantizeConfig, hooks: QuantizeHooks) -> tuple[LayerQuantizer, list]:
-    """Quantize `model` in place (dequantized weights stay in it); returns the method and reports."""
+def quantize_model(model, tokenizer, config: QuantizeConfig, hooks: QuantizeHooks,
+                   sink=None) -> tuple[LayerQuantizer, list]:
+    """Quantize `model` layer by layer; returns the method and per-layer reports.
+
+    Without `sink` the dequantized weights stay in the model; with one, each finished layer's
+    compressed tensors go to the sink and its weights are freed (see LayerQuantizer)."""
     targets = plan_targets(model, config)
-    method = make_method(config, targets)
+    method = make_method(config, targets, sink)
     if config.method in ("gptq", "awq", "smoothquant"):
         hooks.status(f"calibration: {config.calib.nsamples} x {config.calib.seqlen} tokens of {config.calib.calib}")
         windows = calibration_windows(tokenizer, config.calib, model)
@@ -97,19 +102,18 @@ def quantize_model(model, tokenizer, config: QuantizeConfig, hooks: QuantizeHook
     return method, reports
 
 
-def export_state(model, method: LayerQuantizer) -> tuple[dict, dict]:
-    """(compressed state dict, quantization_config) from the quantized model and its codes."""
-    from ..compressed import LinearScheme, build_quantization_config, compress_linear
+def rest_of_state(model, method: LayerQuantizer) -> dict:
+    """The tensors not written per layer: embeddings, norms, lm_head, unquantized Linears."""
+    written = {f"{name}.{suffix}" for name in method.results for suffix in ("weight", "bias")}
+    return {k: v for k, v in model.state_dict().items() if k not in written}
 
-    state = dict(model.state_dict())
-    dtype = next(model.parameters()).dtype  # scales are stored in the checkpoint's dtype
-    schemes = {}
-    for name, res in method.results.items():
-        scheme = LinearScheme(res.args.bits, res.args.group_size, res.args.symmetric, res.activations)
-        schemes[name] = scheme
-        state.pop(f"{name}.weight")
-        state.update(compress_linear(name, res.q, res.scale, res.zero_point, scheme, dtype))
-    return state, build_quantization_config(schemes, linear_names(model))
+
+def quantization_config_of(model, method: LayerQuantizer) -> dict:
+    from ..compressed import LinearScheme, build_quantization_config
+
+    schemes = {name: LinearScheme(r.args.bits, r.args.group_size, r.args.symmetric, r.activations)
+               for name, r in method.results.items()}
+    return build_quantization_config(schemes, linear_names(model))
 
 
 def per_layer_table(method: LayerQuantizer, reports: list) -> dict:

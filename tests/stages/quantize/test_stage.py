@@ -135,10 +135,15 @@ def test_already_quantized_source_is_refused(tiny_hf, tmp_path, calib_text):
 def test_missing_quantized_tensor_is_named(tiny_hf, tmp_path, calib_text):
     from safetensors.torch import save_file
 
+    from llmopt.stages.safetensors_io import load_mmap
+
     art = run_quantize(str(tiny_hf[0]), tmp_path / "q", _config(calib_text, method="rtn"))
-    state = {k: v.clone() for k, v in load_dir(art.path, art.weight_files).items()}
-    state.pop("model.layers.0.self_attn.q_proj.weight_scale")
-    save_file(state, str(art.path / "model.safetensors"))
+    key = "model.layers.0.self_attn.q_proj.weight_scale"
+    index = json.loads((art.path / "model.safetensors.index.json").read_text())
+    f = art.path / index["weight_map"].pop(key)
+    state = {k: v.clone() for k, v in load_mmap(f).items() if k != key}
+    save_file(state, str(f))
+    (art.path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ArtifactError, match="q_proj lack .*weight_scale"):
         load_model_dir(art.path)
 
