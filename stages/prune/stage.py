@@ -2,13 +2,13 @@
 layer-by-layer driver (or, for layer dropping, one measuring pass) and describe what was done."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..calib import calibration_windows
 from ..errors import ConfigError
+from ..progress import StageHooks
 from ..layerwise import decoder_layers, run_layerwise
 from ..quantize.stage import _matches, linear_names
 from .config import PruneConfig
@@ -16,13 +16,7 @@ from .methods import LayerPruner, MlpChannelPruner
 from .structured import angular_distances, channels_to_keep, drop_layers, intermediate_size, layers_to_drop
 
 
-@dataclass
-class PruneHooks:
-    """Progress callbacks from the stage to whoever renders it (the CLI)."""
-
-    status: callable = lambda message: None
-    layer: callable = lambda report, total: None
-    window: callable = lambda done, total: None
+PruneHooks = StageHooks
 
 
 def check_dense(model) -> None:

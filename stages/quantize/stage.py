@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..calib import calibration_windows
 from ..errors import ConfigError
+from ..progress import StageHooks
 from ..layerwise import decoder_layers, run_layerwise
 from .config import QuantizeConfig
 from .methods import AWQ, GPTQ, LayerQuantizer, SmoothQuant
@@ -18,13 +18,7 @@ from .rtn import QuantArgs, resolve_group_size
 ALWAYS_IGNORED = ("lm_head",)
 
 
-@dataclass
-class QuantizeHooks:
-    """Progress callbacks from the stage to whoever renders it (the CLI)."""
-
-    status: callable = lambda message: None
-    layer: callable = lambda report, total: None
-    window: callable = lambda done, total: None
+QuantizeHooks = StageHooks
 
 
 def linear_names(model) -> list[str]:
