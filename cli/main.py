@@ -1,7 +1,9 @@
 """The `llmopt` command: wires the subcommands and turns user errors into one line and exit 2."""
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 import typer
 from typer.exceptions import TyperException
@@ -27,18 +29,28 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for
 
 
 def _fail(message: str, code: int) -> int:
-    from .ui import err
+    from rich.console import Console
 
-    err.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
+    # A fresh console: an interrupt can land while the shared one is mid-render and buffering.
+    Console(stderr=True).print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
     return code
+
+
+def _terminate(signum, frame) -> None:
+    # SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so stages remove their temporary output.
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     debug = "--debug" in argv
     command = typer.main.get_command(app)
     try:
         result = command.main(args=argv, prog_name="llmopt", standalone_mode=False)
+        if result == 130:  # typer's click turns Ctrl-C / SIGTERM into a silent exit code 130
+            return _fail("interrupted", 130)
         return result if isinstance(result, int) else 0
     except TyperException as e:  # typer's own click: usage errors and aborts
         if type(e).__name__ == "Abort":

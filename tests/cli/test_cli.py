@@ -89,3 +89,25 @@ def test_console_script_help():
     assert proc.returncode == 0
     for command in ("import", "inspect", "eval", "quantize"):
         assert command in proc.stdout
+
+
+def test_sigterm_during_a_stage_leaves_no_partial_output(tiny_hf, tmp_path):
+    """A killed quantize (SIGTERM) unwinds: neither the artifact nor its temporary sibling remains."""
+    import os
+    import signal
+    import time
+
+    text = tmp_path / "calib.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 400)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "llmopt.cli.main", "quantize", str(tiny_hf[0]), "-o", str(out),
+                             "--calib", str(text), "--nsamples", "64", "--seqlen", "256", "--eval-windows", "0"],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(p.name.startswith(".llmopt-tmp-") for p in tmp_path.iterdir()):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt"]
