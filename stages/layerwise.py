@@ -39,7 +39,7 @@ class LayerReport:
 
 
 class _Stop(Exception):
-    pass
+    """Raised by the capture hook: nothing past the first decoder layer needs to run."""
 
 
 def decoder_layers(model) -> nn.ModuleList:
@@ -79,7 +79,7 @@ def capture_inputs(model, windows: torch.Tensor, batch_size: int) -> list[tuple[
             try:
                 model(input_ids=windows[i:i + batch_size], use_cache=False)
             except _Stop:
-                pass
+                continue
     finally:
         handle.remove()
     return captured
@@ -134,7 +134,7 @@ def _return_freed_memory() -> None:
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do
-        pass
+        return
 
 
 def _observer(callback):

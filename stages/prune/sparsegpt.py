@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError
-from ..quantize.gptq import _one_thread
+from ..quantize.gptq import _one_thread, inverse_hessian_factor
 from .masks import nm_mask, unstructured_mask
 
 
@@ -25,20 +24,6 @@ class SparseGPTResult:
     loss: float  # sum of the OBS losses (w - w')^2 / (2 U_ii^2)
 
 
-def inverse_hessian_factor(hessian: Tensor, damp: float) -> Tensor:
-    """Upper Cholesky factor U of (H + damp * mean(diag H) * I)^-1 (so H^-1 = U^T U)."""
-    H = hessian.clone()
-    dead = torch.diagonal(H) == 0  # inputs never active: a unit diagonal keeps H invertible
-    H[dead, dead] = 1
-    diag = torch.arange(H.shape[0], device=H.device)
-    H[diag, diag] += damp * torch.mean(torch.diagonal(H))
-    L, info = torch.linalg.cholesky_ex(H)
-    if info.item() != 0:
-        raise ConfigError(f"the SparseGPT Hessian is not positive definite even with dampening {damp}; "
-                          "raise --damp or use more calibration samples")
-    return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
-
-
 def sparsegpt_prune(w: Tensor, hessian: Tensor, sparsity: float, nm: tuple[int, int] | None = None,
                     damp: float = 0.01, block_size: int = 128) -> SparseGPTResult:
     """Prune w [out, in] to `sparsity` (or to N:M) given the input Hessian [in, in].
@@ -47,7 +32,7 @@ def sparsegpt_prune(w: Tensor, hessian: Tensor, sparsity: float, nm: tuple[int, 
     """
     dtype = torch.float64 if w.dtype == torch.float64 else torch.float32
     W = w.to(dtype).clone()
-    U = inverse_hessian_factor(hessian.to(W.device, dtype), damp)
+    U = inverse_hessian_factor(hessian.to(W.device, dtype), damp, method="SparseGPT")
     m = nm[1] if nm else 1
     block = max(m, block_size // m * m)  # N:M groups never straddle two blocks
     mask = torch.zeros(W.shape, dtype=torch.bool, device=W.device)

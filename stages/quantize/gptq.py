@@ -82,7 +82,7 @@ def gptq_quantize(w: Tensor, hessian: Tensor, args: QuantArgs, damp: float = 0.0
     if perm is not None:
         W, H = W[:, perm], H[perm][:, perm]
         keep = None if keep is None else keep[:, perm]
-    U = _inverse_hessian_factor(H, damp)
+    U = inverse_hessian_factor(H, damp)
     order = perm.tolist() if perm is not None else range(cols)
     group_of = [j // g for j in order]  # loop position -> original group (static qparams)
     with _one_thread():
@@ -107,18 +107,20 @@ def _one_thread():
         torch.set_num_threads(old)
 
 
-def _inverse_hessian_factor(H: Tensor, damp: float) -> Tensor:
-    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1."""
+def inverse_hessian_factor(hessian: Tensor, damp: float, method: str = "GPTQ") -> Tensor:
+    """Upper Cholesky factor U of (H + damp * mean(diag H) * I)^-1 (so H^-1 = U^T U); GPTQ and SparseGPT."""
     if not 0 < damp < 1:
-        raise ConfigError(f"GPTQ dampening must lie in (0, 1) (got {damp})")
+        raise ConfigError(f"{method} dampening must lie in (0, 1) (got {damp})")
+    H = hessian.clone()
+    dead = torch.diagonal(H) == 0  # inputs never active: a unit diagonal keeps H invertible
+    H[dead, dead] = 1
     diag = torch.arange(H.shape[0], device=H.device)
     H[diag, diag] += damp * torch.mean(torch.diagonal(H))
     L, info = torch.linalg.cholesky_ex(H)
     if info.item() != 0:
-        raise ConfigError(f"the GPTQ Hessian is not positive definite even with dampening {damp}; "
-                          "raise the dampening or use more calibration samples")
-    Hinv = torch.cholesky_inverse(L)
-    return torch.linalg.cholesky(Hinv, upper=True)
+        raise ConfigError(f"the {method} Hessian is not positive definite even with dampening {damp}; "
+                          "raise --damp or use more calibration samples")
+    return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
 
 
 def _quantize_blocks(W: Tensor, U: Tensor, args: QuantArgs, g: int, block_size: int,
