@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from .options import DType, DTypeOpt, Force, Json, Output, Source
-from .ui import human_bytes, layer_progress, out, print_json
+from .ui import human_bytes, out, run_stage
 
 Method = Annotated[Optional[str], typer.Option("--method", help="magnitude | wanda | sparsegpt (default wanda)")]
 Sparsity = Annotated[Optional[float], typer.Option("--sparsity", help="Share of weights to zero (default 0.5).")]
@@ -35,20 +35,13 @@ def run(source: Source, output: Output, method: Method = None, sparsity: Sparsit
     from llmopt.stages.model_io import parse_dtype
     from llmopt.stages.prune.config import PruneConfig
     from llmopt.stages.prune.run import run_prune
-    from llmopt.stages.prune.stage import PruneHooks
-
+    
     config = PruneConfig(method=method, sparsity=sparsity, pattern=pattern, structured=structured, ratio=ratio,
                          drop=drop, ignore=tuple(ignore or ()), calib=CalibConfig(calib, nsamples, seqlen, seed),
                          damp=damp, device=device, eval_windows=eval_windows)
     config.validate()
-    with layer_progress("prune") as (status, on_layer, on_window):
-        art = run_prune(source, output, config, dtype=parse_dtype(dtype.value), force=force,
-                        hooks=PruneHooks(status=status, layer=on_layer, window=on_window))
-    metrics = art.manifest["metrics"]
-    if json:
-        print_json({"path": str(art.path), "content_hash": art.content_hash, "metrics": metrics})
-        return
-    render(art, metrics)
+    run_stage("prune", lambda hooks: run_prune(source, output, config, dtype=parse_dtype(dtype.value), force=force,
+                                           hooks=hooks), json, render)
 
 
 def render(art, metrics: dict) -> None:

@@ -7,7 +7,7 @@ import typer
 from rich.table import Table
 
 from .options import DType, DTypeOpt, Force, Json, Output, Source
-from .ui import err, human_bytes, layer_progress, out, print_json
+from .ui import human_bytes, out, run_stage
 
 Method = Annotated[str, typer.Option("--method", help="rtn | gptq | awq | smoothquant | bnb")]
 Scheme = Annotated[str, typer.Option("--scheme", help="W4A16 | W8A16 | W8A8 | NF4 | INT8")]
@@ -32,20 +32,13 @@ def run(source: Source, output: Output, method: Method = "gptq", scheme: Scheme 
     from llmopt.stages.model_io import parse_dtype
     from llmopt.stages.quantize.config import QuantizeConfig
     from llmopt.stages.quantize.run import run_quantize
-    from llmopt.stages.quantize.stage import QuantizeHooks
-
+    
     config = QuantizeConfig(method=method, scheme=scheme.upper(), group_size=group_size, symmetric=not asym,
                             ignore=tuple(ignore or ()), calib=CalibConfig(calib, nsamples, seqlen, seed), damp=damp,
                             act_order=act_order, smoothing_alpha=alpha, device=device, eval_windows=eval_windows)
     config.validate()
-    with layer_progress("quantize") as (status, on_layer, on_window):
-        art = run_quantize(source, output, config, dtype=parse_dtype(dtype.value), force=force,
-                           hooks=QuantizeHooks(status=status, layer=on_layer, window=on_window))
-    metrics = art.manifest["metrics"]
-    if json:
-        print_json({"path": str(art.path), "content_hash": art.content_hash, "metrics": metrics})
-        return
-    render(art, metrics)
+    run_stage("quantize", lambda hooks: run_quantize(source, output, config, dtype=parse_dtype(dtype.value), force=force,
+                                           hooks=hooks), json, render)
 
 
 def render(art, metrics: dict) -> None:

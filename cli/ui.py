@@ -69,3 +69,17 @@ def _layer_info(stats: dict) -> str:
             values = list(stats[key].values())
             return f"{key} mean {sum(values) / len(values):.4g}"
     return ""
+
+
+def run_stage(stage: str, run, as_json: bool, render) -> None:
+    """Run a model-rewriting stage (`run(hooks) -> Artifact`) under one live display, then print
+    its result as JSON or through `render(artifact, metrics)`."""
+    from llmopt.stages.progress import StageHooks
+
+    with layer_progress(stage) as (status, on_layer, on_window):
+        art = run(StageHooks(status=status, layer=on_layer, window=on_window))
+    metrics = art.manifest["metrics"]
+    if as_json:
+        print_json({"path": str(art.path), "content_hash": art.content_hash, "metrics": metrics})
+        return
+    render(art, metrics)
