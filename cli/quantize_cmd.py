@@ -23,6 +23,7 @@ def run(source: Source, output: Output, method: Method = "gptq", scheme: Scheme 
         seed: Annotated[int, typer.Option("--seed")] = 0,
         act_order: Annotated[bool, typer.Option("--act-order", help="GPTQ: columns by descending Hessian diagonal.")] = False,
         damp: Annotated[float, typer.Option("--damp", help="GPTQ dampening, fraction of mean diag(H).")] = 0.01,
+        sink_share: Annotated[float, typer.Option("--sink-share", help="GPTQ: Hessian share of attention-sink tokens (0: plain).")] = 0.1,
         alpha: Annotated[float, typer.Option("--alpha", help="SmoothQuant migration strength.")] = 0.5,
         device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = "cpu",
         dtype: DTypeOpt = DType.auto,
@@ -35,7 +36,7 @@ def run(source: Source, output: Output, method: Method = "gptq", scheme: Scheme 
     
     config = QuantizeConfig(method=method, scheme=scheme.upper(), group_size=group_size, symmetric=not asym,
                             ignore=tuple(ignore or ()), calib=CalibConfig(calib, nsamples, seqlen, seed), damp=damp,
-                            act_order=act_order, smoothing_alpha=alpha, device=device, eval_windows=eval_windows)
+                            act_order=act_order, sink_share=sink_share, smoothing_alpha=alpha, device=device, eval_windows=eval_windows)
     config.validate()
     run_stage("quantize", lambda hooks: run_quantize(source, output, config, dtype=parse_dtype(dtype.value), force=force,
                                            hooks=hooks), json, render)

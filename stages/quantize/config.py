@@ -34,6 +34,7 @@ class QuantizeConfig:
     calib: CalibConfig = field(default_factory=CalibConfig)
     damp: float = 0.01
     act_order: bool = False
+    sink_share: float = 0.1  # GPTQ: share of the Hessian given to attention-sink tokens (0: plain mean)
     smoothing_alpha: float = 0.5
     device: str = "cpu"
     batch_size: int = 8
@@ -60,6 +61,8 @@ class QuantizeConfig:
             raise ConfigError("W8A8 is symmetric (int8 x int8 matmul); drop --asym")
         if not 0 < self.damp < 1:
             raise ConfigError(f"--damp must lie in (0, 1) (got {self.damp})")
+        if not 0 <= self.sink_share < 1:
+            raise ConfigError(f"--sink-share must lie in [0, 1) (got {self.sink_share})")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device must be cpu or cuda (got {self.device})")
         if self.eval_windows < 0:

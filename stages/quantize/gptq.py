@@ -26,11 +26,14 @@ class HessianAccumulator:
         self.nsamples = 0
         self._h = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
 
-    def add(self, x: Tensor) -> None:
-        """Add a batch of inputs x [..., in] (any float dtype)."""
+    def add(self, x: Tensor, weights: Tensor | None = None) -> None:
+        """Add a batch of inputs x [..., in] (any float dtype); `weights` [...] (one per token,
+        optional) scale each token's share of H (see `sink_token_weights`)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected inputs with {self.in_features} features, got {tuple(x.shape)}")
         x = x.reshape(-1, self.in_features).to(self._h.device, torch.float32)  # [tokens, in]
+        if weights is not None:
+            x = x * weights.reshape(-1, 1).to(x.device, torch.float32).sqrt()
         n = x.shape[0]
         if n == 0:
             return
@@ -44,6 +47,29 @@ class HessianAccumulator:
     def hessian(self) -> Tensor:
         """H [in, in] float32 (a live view: it keeps changing as inputs are added)."""
         return self._h
+
+
+def sink_token_weights(hidden: Tensor, share: float, ratio: float = 5.0) -> Tensor | None:
+    """Per-token Hessian weights [B, S] that give attention-sink tokens `share` of the total.
+
+    Sinks are the tokens whose residual-stream norm (the decoder layer's input, [B, S, H]) is more
+    than `ratio` times the batch median: the "massive activations" every later token attends to
+    (position 0 in a window, sometimes a delimiter). They are a few tokens in thousands, so a plain
+    mean Hessian ignores the directions their inputs take, and GPTQ's error compensation can wreck
+    their keys and values (measured on smollm2-135m: 12-18x RTN's error on the sink's q/k/v while
+    every other token's error fell 3-5x, and end-to-end perplexity worse than RTN). None when no
+    token qualifies or share is 0.
+    """
+    if share <= 0:
+        return None
+    norms = hidden.float().norm(dim=-1)  # [B, S]
+    sinks = norms > ratio * norms.median()
+    k = int(sinks.sum())
+    if k == 0 or k == norms.numel():
+        return None
+    weights = torch.ones_like(norms)
+    weights[sinks] = share / (1 - share) * (norms.numel() - k) / k
+    return weights
 
 
 @dataclass

@@ -14,7 +14,7 @@ from torch import nn
 from ..compressed import LinearScheme, compress_linear
 from .awq import awq_search_scale
 from .fold import apply_scale_to_linears, apply_scale_to_norm, apply_scale_to_prev_linear
-from .gptq import HessianAccumulator, gptq_quantize
+from .gptq import HessianAccumulator, gptq_quantize, sink_token_weights
 from .rtn import QuantArgs, compute_qparams, dequantize, quantize
 from .smoothquant import smooth_scales
 
@@ -104,15 +104,23 @@ def _keep_zeros(q, zp, mask, args):
 
 
 class GPTQ(LayerQuantizer):
-    def __init__(self, targets, damp: float, act_order: bool):
+    def __init__(self, targets, damp: float, act_order: bool, sink_share: float = 0.0):
         super().__init__(targets)
-        self.damp, self.act_order = damp, act_order
+        self.damp, self.act_order, self.sink_share = damp, act_order, sink_share
         self.hessians: dict[str, HessianAccumulator] = {}
+        self._weights = None  # per-token Hessian weights of the batch now running through the layer
 
     def observers(self, index, layer):
         self.hessians = {name: HessianAccumulator(layer.get_submodule(name).in_features)
                          for name in self.targets.get(index, {})}
-        return {name: acc.add for name, acc in self.hessians.items()}
+        # "" is the decoder layer itself: its pre-hook sees the residual stream before the linears run.
+        return {"": self._weigh_tokens, **{name: self._adder(acc) for name, acc in self.hessians.items()}}
+
+    def _weigh_tokens(self, hidden):
+        self._weights = sink_token_weights(hidden, self.sink_share)
+
+    def _adder(self, acc: HessianAccumulator):
+        return lambda x: acc.add(x, self._weights)
 
     def process(self, index, layer):
         errors = {}

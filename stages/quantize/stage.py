@@ -67,7 +67,7 @@ def check_not_quantized(model) -> None:
 
 def make_method(config: QuantizeConfig, targets, sink=None) -> LayerQuantizer:
     if config.method == "gptq":
-        method = GPTQ(targets, config.damp, config.act_order)
+        method = GPTQ(targets, config.damp, config.act_order, config.sink_share)
     elif config.method == "awq":
         method = AWQ(targets)
     elif config.method == "smoothquant":
