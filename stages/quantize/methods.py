@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..compressed import LinearScheme, compress_linear
-from .awq import awq_search_scale
+from .awq import apply_clip, awq_search_clip, awq_search_scale
 from .fold import apply_scale_to_linears, apply_scale_to_norm, apply_scale_to_prev_linear
 from .gptq import HessianAccumulator, gptq_quantize, sink_token_weights
 from .rtn import QuantArgs, compute_qparams, dequantize, quantize
@@ -179,7 +179,7 @@ class _Smoothing(LayerQuantizer):
             linear.weight.data = w
 
     def _smooth_layer(self, index, layer) -> dict:
-        scales = {}
+        scales, self.applied = {}, {}
         for prev, names in SHARED_INPUTS:
             sampler = self.samplers.get(names[0])
             if sampler is None:
@@ -187,7 +187,7 @@ class _Smoothing(LayerQuantizer):
             s = self.scale_for(sampler, [layer.get_submodule(n).weight.data.float() for n in names], names)
             self._fold(layer, prev, names, s.float())
             scales[names[0]] = float(s.max() / s.min())
-        self.samplers = {}
+            self.applied.update({n: (sampler, s.float()) for n in names})  # each linear's input is now x / s
         return scales
 
 
@@ -198,13 +198,48 @@ class AWQ(_Smoothing):
         self.losses[names[0]] = (best, at_one)
         return s
 
+    # AWQ leaves q/k unclipped: their errors pass through softmax, where the output MSE misleads.
+    NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
+
+    def observers(self, index, layer):
+        hooks = super().observers(index, layer)
+        if self.clip and "self_attn.o_proj" in self.targets.get(index, {}):
+            self.samplers["self_attn.o_proj"] = ActivationSampler()
+            hooks["self_attn.o_proj"] = self.samplers["self_attn.o_proj"].add
+        return hooks
+
+    def __init__(self, targets, clip: bool = True):
+        super().__init__(targets)
+        self.clip = clip
+
     def process(self, index, layer):
         self.targets_args, self.losses = self.targets.get(index, {}), {}
         spread = self._smooth_layer(index, layer)
+        clipped = self._clip_layer(layer) if self.clip else {}
+        self.samplers = {}
         stats = self._rtn(index, layer)
+        if clipped:
+            stats["clipped_share"] = clipped
         stats["awq_loss_vs_rtn"] = {k: b / max(a, 1e-20) for k, (b, a) in self.losses.items()}
         stats["scale_spread"] = spread
         return stats
+
+    def _clip_layer(self, layer) -> dict:
+        """Per-group clipping ranges searched on each linear's (scaled) inputs; share of groups clipped."""
+        shares = {}
+        if "self_attn.o_proj" in self.samplers:
+            self.applied["self_attn.o_proj"] = (self.samplers["self_attn.o_proj"], None)
+        for name, args in self.targets_args.items():
+            if name in self.NO_CLIP or name not in self.applied:
+                continue
+            sampler, s = self.applied[name]
+            x = sampler.sample() if s is None else sampler.sample() / s
+            linear = layer.get_submodule(name)
+            max_val = awq_search_clip(x, linear.weight.data.float(), args)
+            org = linear.weight.data.float().abs().reshape(max_val.shape[0], max_val.shape[1], -1).amax(-1)
+            linear.weight.data = apply_clip(linear.weight.data, max_val, args)
+            shares[name] = float((max_val < org).float().mean())
+        return shares
 
 
 class SmoothQuant(_Smoothing):
@@ -217,6 +252,7 @@ class SmoothQuant(_Smoothing):
 
     def process(self, index, layer):
         spread = self._smooth_layer(index, layer)
+        self.samplers = {}
         errors = {}
         for name, args in self.targets.get(index, {}).items():
             linear = layer.get_submodule(name)

@@ -215,3 +215,12 @@ def test_inspect_counts_packed_parameters(tiny_hf, tmp_path, calib_text):
     summary = summarize(art.path, art.manifest)
     assert summary["num_parameters"] == sum(p.numel() for p in tiny_hf[1].parameters())
     assert "I32" in summary["by_dtype"]  # the packed int4 words
+
+
+def test_awq_clips_groups_except_queries_and_keys(tiny_hf, tmp_path, calib_text):
+    art = run_quantize(str(tiny_hf[0]), tmp_path / "q", _config(calib_text, method="awq"))
+    layers = art.manifest["metrics"]["quantization"]["layers"]
+    shares = layers[0]["clipped_share"]
+    assert "self_attn.q_proj" not in shares and "self_attn.k_proj" not in shares
+    assert {"self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj"} <= set(shares)
+    assert all(0 <= v <= 1 for v in shares.values())
