@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo bench-kernels clean
+.PHONY: venv test test-fast demo bench bench-kernels fuzz clean
 
 venv: $(STAMP)
 
@@ -31,8 +31,17 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	bash scripts/demo.sh
 
+# llmopt serve (base, W8A16, W4A16 of smollm2-135m) vs the transformers baseline -> bench-results/
+bench: $(STAMP)
+	PY=$(PY) bash scripts/bench.sh
+
 bench-kernels: $(STAMP)
 	$(PY) scripts/bench_kernels.py
+
+# The HTTP API against its own OpenAPI spec (make test runs a small bounded version): no 5xx.
+fuzz: $(STAMP)
+	LLMOPT_FUZZ_EXAMPLES=200 $(PY) -m pytest -q -p no:cacheprovider tests/serve/http/test_fuzz.py
+	$(PY) scripts/fuzz_http.py --max-examples 200 --max-time 300
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

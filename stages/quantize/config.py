@@ -34,7 +34,7 @@ class QuantizeConfig:
     calib: CalibConfig = field(default_factory=CalibConfig)
     damp: float = 0.01
     act_order: bool = False
-    sink_share: float = 0.1  # GPTQ: share of the Hessian given to attention-sink tokens (0: plain mean)
+    sink_share: float = 0.03  # GPTQ: share of the Hessian given to attention-sink tokens (0: plain mean)
     smoothing_alpha: float = 0.5
     device: str = "cpu"
     batch_size: int = 8

@@ -1,0 +1,103 @@
+"""How `llmopt bench` looks: the live progress line, the report tables and the comparison table."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .ui import err, out
+
+LATENCY_ROWS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "end-to-end"}
+VERDICT_STYLE = {"better": "green", "worse": "yellow", "REGRESSION": "bold red", "same": "dim", "n/a": "dim"}
+
+
+@contextmanager
+def live_progress(total: int, quiet: bool = False):
+    """Yields the runner's on_result callback, drawing requests done, failures and output tokens/s."""
+    if quiet:
+        yield None
+        return
+    columns = (TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[info]}"))
+    tokens = failed = 0
+    with Progress(*columns, console=err, transient=False) as progress:
+        task = progress.add_task("bench", total=total, info="")
+
+        def on_result(result, done: int, planned: int) -> None:
+            nonlocal tokens, failed
+            tokens += result.output_tokens
+            failed += not result.ok
+            rate = tokens / progress.tasks[0].elapsed if progress.tasks[0].elapsed else 0.0
+            progress.update(task, completed=done, info=f"failed {failed}  output {rate:,.1f} tok/s")
+
+        yield on_result
+
+
+def render_report(report: dict) -> None:
+    out.print(f"[bold]bench[/bold] {report.get('base_url')}{report.get('endpoint')}, model "
+              f"{report.get('model_id') or '(server default)'}, {report.get('dataset')}", highlight=False)
+    summary = Table(show_header=False)
+    summary.add_column("metric")
+    summary.add_column("value", justify="right")
+    for label, value in _summary_rows(report):
+        summary.add_row(label, value)
+    out.print(summary)
+    latency = Table(title="latency (ms)", title_justify="left")
+    for column in ("", "mean", "median", "p90", "p99"):
+        latency.add_column(column, justify="right" if column else "left")
+    for key, label in LATENCY_ROWS.items():
+        latency.add_row(label, *(_num(report.get(f"{stat}_{key}_ms")) for stat in ("mean", "median", "p90", "p99")))
+    out.print(latency)
+
+
+def _summary_rows(report: dict) -> list[tuple[str, str]]:
+    rows = [("completed / planned", f"{report['completed']} / {report.get('planned', '?')}"),
+            ("failed", str(report["failed"]))]
+    rows += [(f"  {kind}", str(n)) for kind, n in (report.get("failures") or {}).items()]
+    rows += [("duration", f"{_num(report['duration'])} s"),
+             ("request throughput", f"{_num(report['request_throughput'])} req/s")]
+    if report.get("slo"):
+        slo = ", ".join(f"{k}<={v:g}" for k, v in report["slo"].items())
+        rows.append((f"goodput ({slo})", f"{_num(report['request_goodput'])} req/s "
+                                         f"({report['goodput_completed']} good)"))
+    rows += [("output throughput", f"{_num(report['output_throughput'])} tok/s"),
+             ("total token throughput", f"{_num(report['total_token_throughput'])} tok/s"),
+             ("input / output tokens", f"{report['total_input_tokens']:,} / {report['total_output_tokens']:,}")]
+    return rows
+
+
+def notes(report: dict) -> list[str]:
+    """Things a reader should know about this run, one line each."""
+    lines = []
+    if report.get("warmup_failed"):
+        lines.append(f"warm-up: {report['warmup_failed']} of {report.get('warmup')} requests failed "
+                     f"({report.get('warmup_error')})")
+    if report.get("unknown_input_lens"):
+        lines.append(f"input tokens unknown for {report['unknown_input_lens']} requests (the server reported no "
+                     "usage): pass --tokenizer SOURCE to count them")
+    if report["completed"] == 0 and report["failed"]:
+        kind = next(iter(report["failures"]))
+        lines.append(f"every request failed ({kind}); first error: {next(e for e in report['errors'] if e)}")
+    return lines
+
+
+def render_compare(rows, base_name: str, new_name: str, bound: float) -> None:
+    table = Table(title=f"compare (regression bound {bound:.0%})", title_justify="left")
+    table.add_column("metric")
+    for column in (base_name, new_name, "change", ""):
+        table.add_column(column, justify="right")
+    for row in rows:
+        change = "" if row.change is None else f"{row.change:+.1%}"
+        style = VERDICT_STYLE.get(row.verdict, "")
+        table.add_row(row.metric, _num(row.base), _num(row.new), change,
+                      f"[{style}]{row.verdict}[/{style}]" if style else row.verdict)
+    out.print(table)
+
+
+def _num(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:,.2f}" if isinstance(value, float) else str(value)

@@ -1,0 +1,6 @@
+"""llmopt bench: a load generator for any OpenAI-compatible server.
+
+A pure HTTP client: it imports nothing of the serve engine (`--server` starts `llmopt serve` as a
+subprocess). dataset -> arrival schedule -> streaming requests -> per-request timings -> metrics,
+gates and comparisons.
+"""

@@ -1,0 +1,139 @@
+"""One streaming request to an OpenAI-style server, timed token by token.
+
+Every server-sent event is stamped on arrival; an event carrying text is a token arrival. TTFT is
+the first arrival minus the send time, ITL each gap between arrivals, e2e the time the stream ends.
+Output tokens come from the server's `usage` when it reports it (we ask with
+`stream_options.include_usage`), else from the number of text events.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable
+
+import httpx
+
+from .config import BenchConfig
+from .dataset import BenchRequest
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_len: int | None = None
+    output_tokens: int = 0
+    ttft: float | None = None  # seconds
+    itl: list[float] = field(default_factory=list)  # seconds between token arrivals
+    e2e: float | None = None  # seconds from send to the end of the stream
+    start: float = 0.0  # send time, seconds after the bench started
+    error: str | None = None  # the failure's kind: "HTTP 503", "connect error", "timeout", ...
+    detail: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        """(e2e - ttft) / (output_tokens - 1): mean time per output token after the first."""
+        if not self.ok or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass
+class _Stream:
+    """What one response stream has delivered so far."""
+
+    arrivals: list[float] = field(default_factory=list)
+    usage: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+class Api:
+    """Request bodies and response parsing for /v1/completions and /v1/chat/completions."""
+
+    def __init__(self, config: BenchConfig, model: str | None):
+        self.config, self.model, self.url = config, model, config.api_url
+        self.headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+
+    def body(self, request: BenchRequest) -> dict:
+        body = {"max_tokens": request.output_len, "temperature": self.config.temperature, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if self.config.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": request.prompt}]
+        else:
+            body["prompt"] = request.prompt
+        if self.model:
+            body["model"] = self.model
+        if self.config.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+    def text(self, event: dict) -> str:
+        choices = event.get("choices") or []
+        if not choices or not isinstance(choices[0], dict):
+            return ""
+        if self.config.endpoint == "chat":
+            return (choices[0].get("delta") or {}).get("content") or ""
+        return choices[0].get("text") or ""
+
+
+async def send(client: httpx.AsyncClient, api: Api, request: BenchRequest, clock: Callable[[], float],
+               t0: float = 0.0) -> RequestResult:
+    """Send one request and time it; failures are returned (with their kind), never raised."""
+    start = clock()
+    result = RequestResult(ok=False, prompt_len=request.prompt_len, start=start - t0)
+    stream = _Stream()
+    try:
+        async with client.stream("POST", api.url, json=api.body(request), headers=api.headers) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode("utf-8", "replace")
+                return _fail(result, f"HTTP {response.status_code}", body)
+            await _read_events(response, api, clock, stream)
+    except httpx.ConnectError as e:
+        return _fail(result, "connect error", str(e))
+    except httpx.TimeoutException as e:
+        return _fail(result, "timeout", str(e) or type(e).__name__)
+    except httpx.HTTPError as e:
+        return _fail(result, "stream error", f"{type(e).__name__}: {e}")
+    return _finish(result, stream, start, clock())
+
+
+async def _read_events(response: httpx.Response, api: Api, clock: Callable[[], float], stream: _Stream) -> None:
+    async for line in response.aiter_lines():
+        now = clock()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        try:
+            event = json.loads(data)
+        except json.JSONDecodeError:
+            stream.error = f"bad event: {data[:80]}"
+            return
+        if not isinstance(event, dict) or event.get("error"):
+            stream.error = f"server error: {str(event.get('error') if isinstance(event, dict) else event)[:200]}"
+            return
+        if api.text(event):
+            stream.arrivals.append(now)
+        if isinstance(event.get("usage"), dict):
+            stream.usage = event["usage"]
+
+
+def _finish(result: RequestResult, stream: _Stream, start: float, end: float) -> RequestResult:
+    if stream.error:
+        return _fail(result, "bad response", stream.error)
+    if not stream.arrivals:
+        return _fail(result, "no tokens", "the stream ended without any text")
+    times = stream.arrivals
+    result.ok = True
+    result.ttft = times[0] - start
+    result.itl = [b - a for a, b in zip(times, times[1:])]
+    result.e2e = end - start
+    result.output_tokens = int(stream.usage.get("completion_tokens") or len(times))
+    if stream.usage.get("prompt_tokens"):
+        result.prompt_len = int(stream.usage["prompt_tokens"])
+    return result
+
+
+def _fail(result: RequestResult, kind: str, detail: str) -> RequestResult:
+    result.ok, result.error, result.detail = False, kind, " ".join(detail.split())[:300]
+    return result

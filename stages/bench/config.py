@@ -1,0 +1,104 @@
+"""The bench's configuration and the parsing of what users type (--request-rate, --slo, --url)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from ..errors import ConfigError
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+SLO_KEYS = {"ttft_ms": "ttft_ms", "tpot_ms": "tpot_ms", "e2e_ms": "e2el_ms", "e2el_ms": "e2el_ms"}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """How to drive the server: where, which endpoint, how fast, and what counts as good."""
+
+    url: str
+    endpoint: str = "completions"
+    model: str | None = None  # None: ask GET /v1/models, else send no model field
+    api_key: str | None = None
+    request_rate: float = math.inf  # requests per second; inf sends them all at once
+    burstiness: float = 1.0  # gamma shape of the inter-arrival times; 1 is a Poisson process
+    max_concurrency: int | None = None
+    warmup: int = 1
+    seed: int = 0
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    timeout_s: float = 600.0  # per request, between bytes of the stream
+    slo: dict[str, float] = field(default_factory=dict)  # {"ttft_ms": .., "tpot_ms": .., "e2el_ms": ..}
+
+    def validate(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise ConfigError(f"--endpoint {self.endpoint}: use one of {', '.join(ENDPOINTS)}")
+        if not self.request_rate > 0:
+            raise ConfigError(f"--request-rate {self.request_rate}: give a positive rate or inf")
+        if not 0 < self.burstiness < math.inf:
+            raise ConfigError(f"--burstiness {self.burstiness}: give a positive number (1 = Poisson)")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ConfigError(f"--max-concurrency {self.max_concurrency}: give at least 1")
+        if self.warmup < 0 or self.timeout_s <= 0:
+            raise ConfigError("--warmup must be >= 0 and --timeout > 0")
+
+    @property
+    def api_url(self) -> str:
+        return self.url + ENDPOINTS[self.endpoint]
+
+    def describe(self) -> dict:
+        """The run's settings as the report stores them (vLLM writes an infinite rate as "inf")."""
+        return {"base_url": self.url, "endpoint": ENDPOINTS[self.endpoint], "model_id": self.model,
+                "request_rate": "inf" if math.isinf(self.request_rate) else self.request_rate,
+                "burstiness": self.burstiness, "max_concurrency": self.max_concurrency,
+                "warmup": self.warmup, "seed": self.seed, "temperature": self.temperature,
+                "ignore_eos": self.ignore_eos, "slo": dict(self.slo) or None}
+
+
+def parse_rate(text: str) -> float:
+    """'inf' or a positive number of requests per second."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise ConfigError(f"--request-rate {text!r}: give requests per second (e.g. 4) or inf") from None
+    if not rate > 0:
+        raise ConfigError(f"--request-rate {text!r}: give a positive rate or inf")
+    return rate
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """'ttft_ms=500,tpot_ms=50,e2e_ms=3000' -> {'ttft_ms': 500.0, 'tpot_ms': 50.0, 'e2el_ms': 3000.0}."""
+    slo: dict[str, float] = {}
+    for part in _items(text):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in SLO_KEYS:
+            raise ConfigError(f"--slo {part!r}: write KEY=MS with KEY one of ttft_ms, tpot_ms, e2e_ms "
+                              "(e.g. --slo ttft_ms=500,tpot_ms=50)")
+        slo[SLO_KEYS[key]] = _positive(value, f"--slo {key}")
+    return slo
+
+
+def normalize_url(url: str) -> str:
+    """The server's base URL: scheme and host, without a trailing '/', '/v1' or endpoint path."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"--url {url!r}: give the server's base URL, e.g. http://127.0.0.1:8000")
+    base = url.strip().rstrip("/")
+    for suffix in (*ENDPOINTS.values(), "/v1"):  # the API root or an endpoint's URL both name the server
+        if base.endswith(suffix):
+            return base[: -len(suffix)]
+    return base
+
+
+def _items(text: str | None) -> list[str]:
+    return [p.strip() for p in (text or "").split(",") if p.strip()]
+
+
+def _positive(value: str, what: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"{what}={value!r}: not a number") from None
+    if not 0 < number < math.inf:
+        raise ConfigError(f"{what}={value!r}: give a positive number")
+    return number

@@ -1,0 +1,153 @@
+"""Prompts to send: ShareGPT files, JSON lines, or random prompts of a given length.
+
+Prompt lengths in tokens are known when a tokenizer is given (`--tokenizer SOURCE`) or for random
+prompts; otherwise the server's reported usage fills them in. ShareGPT records without a reply
+(like the shared 500-prompt file) take `output_len`.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError, DataError
+
+DEFAULT_OUTPUT_LEN = 128
+# Short, common English words: one token each in most BPE vocabularies (plus the leading space).
+WORDS = ("the of and to in is was for on are with as by at be this from that have or it not but all "
+         "can more one time new some which about than other into year most only over state also after "
+         "world work first made people water light house city paper music river number point small "
+         "large green table field story plant south north market group order model power voice").split()
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: str
+    prompt_len: int | None  # tokens, when known before sending
+    output_len: int  # max_tokens to ask for
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """spec: random | sharegpt | sharegpt:FILE | jsonl:FILE."""
+
+    spec: str = "random"
+    num_prompts: int = 100
+    input_len: int = 128  # random only
+    output_len: int | None = None  # None: the reply's length, else DEFAULT_OUTPUT_LEN
+    seed: int = 0
+    tokenizer: str | None = None  # a model source whose tokenizer counts (and makes) tokens
+
+    def validate(self) -> None:
+        kind = self.spec.split(":", 1)[0]
+        if kind not in ("random", "sharegpt", "jsonl") or (kind == "jsonl" and ":" not in self.spec):
+            raise ConfigError(f"--dataset {self.spec!r}: use random, sharegpt, sharegpt:FILE or jsonl:FILE")
+        if self.num_prompts < 1 or self.input_len < 1 or (self.output_len is not None and self.output_len < 1):
+            raise ConfigError("--num-prompts, --input-len and --output-len must be at least 1")
+
+    def describe(self) -> dict:
+        return {"dataset": self.spec, "num_prompts": self.num_prompts, "tokenizer": self.tokenizer,
+                "input_len": self.input_len if self.spec == "random" else None, "output_len": self.output_len}
+
+
+def load_requests(config: DatasetConfig, tokenizer=None) -> list[BenchRequest]:
+    """`num_prompts` requests, shuffled by `seed` (records repeat if the file holds fewer)."""
+    config.validate()
+    rng = random.Random(config.seed)
+    kind, _, where = config.spec.partition(":")
+    if kind == "random":
+        return [_random_request(rng, config, tokenizer) for _ in range(config.num_prompts)]
+    pairs = _sharegpt_pairs(where or "sharegpt") if kind == "sharegpt" else _jsonl_records(where)
+    order = list(range(len(pairs)))
+    rng.shuffle(order)
+    picked = [pairs[order[i % len(order)]] for i in range(config.num_prompts)]
+    return [_request(prompt, reply, config, tokenizer) for prompt, reply in picked]
+
+
+def load_tokenizer(source: str):
+    """The tokenizer of any model source (an alias is imported once, then read from the cache)."""
+    from ..model_io import load_tokenizer as load
+    from ..source import as_artifact, resolve
+
+    resolved = resolve(source)
+    art = as_artifact(resolved)
+    return load(art.path if art else resolved.path)
+
+
+def _request(prompt: str, reply: str | int | None, config: DatasetConfig, tokenizer) -> BenchRequest:
+    if config.output_len is not None:
+        output_len = config.output_len
+    elif isinstance(reply, int):
+        output_len = reply
+    elif reply:  # without a tokenizer, ~4 characters per token
+        output_len = _count(tokenizer, reply) if tokenizer else max(1, round(len(reply) / 4))
+    else:
+        output_len = DEFAULT_OUTPUT_LEN
+    return BenchRequest(prompt, _count(tokenizer, prompt) if tokenizer else None, output_len)
+
+
+def _random_request(rng: random.Random, config: DatasetConfig, tokenizer) -> BenchRequest:
+    output_len = config.output_len or DEFAULT_OUTPUT_LEN
+    if tokenizer is None:
+        return BenchRequest(" ".join(rng.choice(WORDS) for _ in range(config.input_len)), config.input_len, output_len)
+    special = set(tokenizer.all_special_ids)
+    usable = [i for i in range(len(tokenizer)) if i not in special]
+    text = tokenizer.decode([rng.choice(usable) for _ in range(config.input_len)])
+    return BenchRequest(text, _count(tokenizer, text), output_len)
+
+
+def _count(tokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _sharegpt_pairs(name_or_path: str) -> list[tuple[str, str | None]]:
+    from ..data import resolve_file
+
+    path = resolve_file(name_or_path)
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not a ShareGPT JSON file ({e})") from None
+    pairs = [pair for pair in map(_first_turn, records if isinstance(records, list) else []) if pair]
+    if not pairs:
+        raise DataError(f"{path}: no ShareGPT records with a human first turn "
+                        '(expected [{"conversations": [{"from": "human", "value": ...}]}])')
+    return pairs
+
+
+def _first_turn(record) -> tuple[str, str | None] | None:
+    turns = record.get("conversations") if isinstance(record, dict) else None
+    if not isinstance(turns, list) or not turns or not isinstance(turns[0], dict):
+        return None
+    if turns[0].get("from") not in ("human", "user") or not turns[0].get("value"):
+        return None
+    reply = turns[1].get("value") if len(turns) > 1 and isinstance(turns[1], dict) else None
+    return str(turns[0]["value"]), (str(reply) if reply else None)
+
+
+def _jsonl_records(path_text: str) -> list[tuple[str, int | None]]:
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        raise DataError(f"{path_text}: no such JSON lines file")
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            records.append(_jsonl_record(line, f"{path}:{number}"))
+    if not records:
+        raise DataError(f"{path}: no records (one JSON object per line: {{\"prompt\": ..., \"output_len\": ...}})")
+    return records
+
+
+def _jsonl_record(line: str, where: str) -> tuple[str, int | None]:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not JSON ({e.msg})") from None
+    prompt = obj.get("prompt") if isinstance(obj, dict) else None
+    if not isinstance(prompt, str) or not prompt:
+        raise DataError(f'{where}: needs a "prompt" string')
+    length = obj.get("output_len", obj.get("max_tokens"))
+    if length is not None and (not isinstance(length, int) or length < 1):
+        raise DataError(f'{where}: "output_len" must be a positive integer')
+    return prompt, length

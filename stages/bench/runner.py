@@ -1,0 +1,147 @@
+"""Drive the load: warm-up, arrivals (Poisson or gamma), a concurrency cap, and results as they finish.
+
+An interruption (Ctrl-C, SIGTERM) ends the run early and returns what finished so far, marked
+`interrupted`, so the caller can still report it.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import httpx
+
+from .client import Api, RequestResult, send
+from .config import BenchConfig
+from .dataset import BenchRequest
+
+WARMUP_MAX_TOKENS = 16
+
+
+class Clock:
+    """Where the bench reads time and waits; tests pass a scripted one."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+@dataclass
+class BenchRun:
+    planned: int
+    results: list[RequestResult] = field(default_factory=list)  # finished requests, in finish order
+    duration: float = 0.0  # seconds from the first send to the last finish (or the interruption)
+    interrupted: bool = False
+    model: str | None = None
+    warmup_failed: int = 0
+    warmup_error: str | None = None
+
+
+OnResult = Callable[[RequestResult, int, int], None]  # (result, finished, planned)
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Send times in seconds after the start: the first at 0, then gamma-distributed gaps with mean
+    1/rate and shape `burstiness` (1: exponential, a Poisson process; <1 burstier; >1 more even)."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in range(n):
+        offsets.append(t)
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return offsets
+
+
+def run_bench(config: BenchConfig, requests: list[BenchRequest], on_result: OnResult | None = None,
+              transport: httpx.AsyncBaseTransport | None = None, clock: Clock | None = None) -> BenchRun:
+    """Send `requests` to the server in `config` and time each; returns even when interrupted."""
+    config.validate()
+    clock = clock or Clock()
+    run = BenchRun(planned=len(requests))
+    started: list[float] = []
+    loop = asyncio.new_event_loop()
+    main = loop.create_task(_main(config, requests, run, started, on_result, transport, clock))
+    try:
+        loop.run_until_complete(main)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM, wherever it lands: keep what finished
+        run.interrupted = True
+        run.duration = clock.now() - started[0] if started else 0.0
+        _cancel_all(loop, main)
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+    return run
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop, main: asyncio.Task) -> None:
+    """Cancel the requests in flight and let them close their connections."""
+    for _ in range(3):  # an interrupt can surface again from a task that is unwinding
+        tasks = asyncio.all_tasks(loop)
+        if not tasks:
+            break
+        for task in tasks:
+            task.cancel()
+        try:
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        except KeyboardInterrupt:
+            continue
+    if main.done() and not main.cancelled():
+        main.exception()  # retrieved: no "exception was never retrieved" at exit
+
+
+async def _main(config: BenchConfig, requests: list[BenchRequest], run: BenchRun, started: list[float],
+                on_result: OnResult | None, transport, clock: Clock) -> None:
+    timeout = httpx.Timeout(config.timeout_s, connect=10.0, pool=None)
+    limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency)
+    async with httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits) as client:
+        run.model = config.model or await discover_model(client, config.url)
+        api = Api(config, run.model)
+        await _warmup(client, api, requests, config.warmup, run, clock)
+        gate = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+
+        async def one(request: BenchRequest) -> None:
+            if gate is None:
+                result = await send(client, api, request, clock.now, started[0])
+            else:
+                async with gate:
+                    result = await send(client, api, request, clock.now, started[0])
+            run.results.append(result)
+            if on_result:
+                on_result(result, len(run.results), run.planned)
+
+        started.append(clock.now())
+        tasks = []
+        for request, at in zip(requests, arrival_offsets(len(requests), config.request_rate,
+                                                         config.burstiness, config.seed)):
+            delay = started[0] + at - clock.now()
+            if delay > 0:
+                await clock.sleep(delay)
+            tasks.append(asyncio.create_task(one(request)))
+        await asyncio.gather(*tasks)
+        run.duration = clock.now() - started[0]
+
+
+async def discover_model(client: httpx.AsyncClient, base_url: str) -> str | None:
+    """The first model GET /v1/models lists; None when the server has no such route or is down."""
+    try:
+        response = await client.get(base_url + "/v1/models", timeout=10.0)
+        return str(response.json()["data"][0]["id"]) if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+async def _warmup(client, api: Api, requests: list[BenchRequest], count: int, run: BenchRun, clock: Clock) -> None:
+    """A few untimed requests first (short replies), so start-up costs stay out of the numbers."""
+    for i in range(min(count, len(requests)) if requests else 0):
+        request = requests[i]
+        short = BenchRequest(request.prompt, request.prompt_len, min(request.output_len, WARMUP_MAX_TOKENS))
+        result = await send(client, api, short, clock.now)
+        if not result.ok:
+            run.warmup_failed += 1
+            run.warmup_error = f"{result.error}: {result.detail}"
