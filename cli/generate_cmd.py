@@ -1,0 +1,91 @@
+"""llmopt generate SOURCE --prompt TEXT | --input prompts.jsonl --output out.jsonl: offline generation."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from .options import DType, DTypeOpt, Json, Source
+from .ui import err, note, out, print_json, progress_bar
+
+Prompt = Annotated[Optional[str], typer.Option("--prompt", help="One prompt; its text streams to stdout.")]
+Input = Annotated[Optional[Path], typer.Option(
+    "--input", "-i", help='JSON lines: {"id", "prompt"} or {"id", "messages"}.')]
+OutputFile = Annotated[Optional[Path], typer.Option(
+    "--output", "-o", help="JSON lines of results, appended; ids already there are skipped (resume).")]
+Chat = Annotated[bool, typer.Option("--chat", help="--prompt: wrap it as a user message in the chat template.")]
+Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")]
+KvMemory = Annotated[Optional[str], typer.Option(
+    "--kv-cache-memory", help="KV cache: bytes (4GiB) or a fraction of free memory (0.5).")]
+
+
+def run(source: Source, prompt: Prompt = None, input: Input = None, output: OutputFile = None, chat: Chat = False,
+        max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 128,
+        temperature: Annotated[float, typer.Option("--temperature", help="0: greedy.")] = 0.0,
+        top_k: Annotated[int, typer.Option("--top-k", help="0: off.")] = 0,
+        top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+        min_p: Annotated[float, typer.Option("--min-p")] = 0.0,
+        seed: Annotated[Optional[int], typer.Option("--seed", help="Per-request seed (reproducible sampling).")] = None,
+        presence_penalty: Annotated[float, typer.Option("--presence-penalty")] = 0.0,
+        frequency_penalty: Annotated[float, typer.Option("--frequency-penalty")] = 0.0,
+        repetition_penalty: Annotated[float, typer.Option("--repetition-penalty")] = 1.0,
+        stop: Stop = None, ignore_eos: Annotated[bool, typer.Option("--ignore-eos")] = False,
+        max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1)] = 64,
+        max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", min=1)] = 2048,
+        max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", min=1)] = None,
+        kv_cache_memory: KvMemory = None,
+        device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = "cpu",
+        dtype: DTypeOpt = DType.auto, json: Json = False) -> None:
+    from llmopt.stages.errors import ConfigError
+    from llmopt.stages.serve import generate as gen
+    from llmopt.stages.serve.engine.config import EngineConfig, SamplingParams
+
+    if (prompt is None) == (input is None) or (input is None) != (output is None):
+        raise ConfigError("give either --prompt TEXT, or --input FILE.jsonl with --output FILE.jsonl")
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                            repetition_penalty=repetition_penalty, stop=tuple(stop or ()), ignore_eos=ignore_eos)
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          max_model_len=max_model_len, kv_cache_memory=kv_cache_memory)
+    if prompt is not None:
+        record = gen.PromptRecord("prompt", messages=[{"role": "user", "content": prompt}], where="--prompt") if chat \
+            else gen.PromptRecord("prompt", prompt, where="--prompt")
+        return _one(_load(source, config, device, dtype), record, params)
+    records = gen.read_prompts(input)  # bad input fails before the slow load
+    if not {r.key for r in records} - gen.completed_ids(output):
+        note(f"nothing to do: every id of {input} is already in {output}")
+        return
+    job = gen.GenerateJob(_load(source, config, device, dtype), records, output, params)
+    with progress_bar(f"generate {input.name}") as update:
+        report = job.run(on_progress=update)
+    if json:
+        print_json(vars(report) | {"tokens_per_s": report.tokens_per_s})
+    else:
+        render(report, output)
+
+
+def _load(source: str, config, device: str, dtype: DType):
+    from llmopt.stages.model_io import parse_dtype
+    from llmopt.stages.serve.engine.build import build_engine
+
+    with err.status(f"loading {source}"):
+        return build_engine(source, config, device, parse_dtype(dtype.value))
+
+
+def _one(engine, record, params) -> None:
+    from llmopt.stages.serve.generate import generate_text, prompt_token_ids
+
+    final = generate_text(engine, prompt_token_ids(record, engine.tokenizer), params,
+                          on_delta=lambda d: print(d, end="", flush=True))
+    print()
+    note(f"{final.finish_reason}: {final.num_prompt_tokens} prompt tokens, {final.num_output_tokens} generated")
+
+
+def render(report, output: Path) -> None:
+    table = Table(title=f"generated -> {output}", title_justify="left", show_header=False)
+    table.add_row("requests", f"{report.written} written, {report.skipped} already done, {report.total} in the input")
+    table.add_row("tokens", f"{report.prompt_tokens:,} prompt, {report.completion_tokens:,} generated")
+    table.add_row("time", f"{report.seconds:.1f} s, {report.tokens_per_s:.1f} generated tokens/s")
+    out.print(table)

@@ -1,0 +1,172 @@
+"""Per-step attention for the runtime: RoPE, KV-cache writes and paged attention.
+
+The runner builds one of these per step from the StepInput; every layer then calls `rotate` and
+`attend`. Everything that depends only on the step (cos/sin rows, gather indices, masks) is
+computed once here instead of once per layer.
+
+- `KernelAttention` (CUDA): the kernels of `llmopt.kernels` (Triton), one launch per op.
+- `CpuAttention`: torch ops chosen for low per-op overhead. Decode sequences (one new token)
+  are attended together in one SDPA call over their gathered blocks; prefill chunks one
+  sequence at a time (a few per step), a fresh prompt straight from its own k/v without a
+  cache round trip.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from llmopt.kernels import PrefillMetadata, apply_rotary, paged_attention_decode, paged_attention_prefill, \
+    write_kv_cache
+
+from .batch import StepInput
+
+
+class KernelAttention:
+    """The kernel launchers as they are: Triton on CUDA (on CPU tensors: Triton's interpreter, tests)."""
+
+    def __init__(self, step: StepInput, cos_sin_cache: torch.Tensor, scale: float):
+        self.step, self.cos_sin_cache, self.scale = step, cos_sin_cache, scale
+        self.op_backend = None if cos_sin_cache.is_cuda else "triton"  # for the model's norm and activation
+        self.meta = PrefillMetadata(step.cu_seqlens_q, step.block_tables, step.context_lens, step.slot_mapping,
+                                    step.max_query_len)
+
+    def rotate(self, qk, q, k):
+        apply_rotary(q, k, self.step.positions, self.cos_sin_cache, backend=self.op_backend)
+
+    def attend(self, q, k, v, kv, kv_cache):
+        b = self.op_backend
+        k_cache, v_cache = kv_cache[:, :, 0], kv_cache[:, :, 1]  # [num_blocks, block_size, Hk, D], shared strides
+        if not self.step.is_decode:
+            return paged_attention_prefill(q, k, v, k_cache, v_cache, self.meta, self.scale, backend=b)
+        write_kv_cache(k, v, k_cache, v_cache, self.step.slot_mapping, backend=b)
+        return paged_attention_decode(q, k_cache, v_cache, self.step.block_tables, self.step.context_lens,
+                                      self.scale, backend=b)
+
+
+@dataclass(frozen=True)
+class _Decode:
+    """Sequences with one new token: attended in one batched call."""
+
+    rows: slice | torch.Tensor  # their rows of the flat batch
+    gather: torch.Tensor  # [Bd * L] cache slots of positions 0..L-1 of each (padding: slot of position 0)
+    mask: torch.Tensor | None  # [Bd, 1, 1, L] True where a key exists; None when all are L long
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    """One sequence bringing several new tokens."""
+
+    rows: slice
+    gather: torch.Tensor | None  # [C] cache slots of its C tokens; None: no cached prefix, use k/v directly
+    mask: torch.Tensor | None  # [L, C] causal mask shifted by the prefix; None: plain causal
+
+
+def _slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """[S, length] cache slot of positions 0..length-1 of each sequence's block table."""
+    pos = torch.arange(length, device=block_tables.device)
+    blocks = block_tables[:, pos // block_size].long()  # [S, length]
+    return blocks * block_size + pos % block_size
+
+
+def _as_rows(index: list[int], device) -> slice | torch.Tensor:
+    if index == list(range(index[0], index[-1] + 1)):
+        return slice(index[0], index[-1] + 1)
+    return torch.tensor(index, dtype=torch.long, device=device)
+
+
+class CpuAttention:
+    """RoPE and paged attention in plain torch, with the step's metadata precomputed."""
+
+    op_backend = "cpu"  # the model's norm and activation: torch fast paths
+
+    def __init__(self, step: StepInput, cos_sin_cache: torch.Tensor, scale: float, block_size: int,
+                 dtype: torch.dtype):
+        self.scale, self.block_size, self.slot_mapping = scale, block_size, step.slot_mapping
+        self.cos, self.sin_signed = self._rope_rows(step.positions, cos_sin_cache, dtype)
+        cu, ctx = step.cu_seqlens_q.tolist(), step.context_lens.tolist()
+        q_lens = [cu[i + 1] - cu[i] for i in range(len(ctx))]
+        single = [i for i, n in enumerate(q_lens) if n == 1]
+        self.decode = self._plan_decode(step, single, cu, ctx) if single else None
+        self.prefills = [self._plan_prefill(step, i, cu[i], cu[i + 1], ctx[i]) for i, n in enumerate(q_lens) if n > 1]
+
+    @staticmethod
+    def _rope_rows(positions, cos_sin_cache, dtype):
+        """cos [T, 1, D] and sin with the rotate-half sign folded in ([-sin, sin]), in the model's dtype
+        (as transformers rounds them)."""
+        half = cos_sin_cache.shape[1] // 2
+        cs = cos_sin_cache.index_select(0, positions).to(dtype)  # [T, D] = cos || sin
+        cos, sin = cs[:, :half], cs[:, half:]
+        return torch.cat([cos, cos], -1)[:, None], torch.cat([-sin, sin], -1)[:, None]
+
+    def _plan_decode(self, step, seqs: list[int], cu: list[int], ctx: list[int]) -> _Decode:
+        lens = [ctx[i] for i in seqs]
+        longest = max(lens)
+        idx = torch.tensor(seqs, dtype=torch.long, device=step.block_tables.device)
+        gather = _slots(step.block_tables.index_select(0, idx), longest, self.block_size)  # [Bd, L]
+        mask = None
+        if min(lens) != longest:
+            lens_t = step.context_lens.index_select(0, idx)
+            valid = torch.arange(longest, device=idx.device)[None, :] < lens_t[:, None]  # [Bd, L]
+            gather = torch.where(valid, gather, gather[:, :1])
+            mask = valid[:, None, None, :]
+        return _Decode(_as_rows([cu[i] for i in seqs], idx.device), gather.reshape(-1), mask)
+
+    def _plan_prefill(self, step, seq: int, start: int, end: int, ctx: int) -> _Prefill:
+        q_len = end - start
+        if ctx == q_len:
+            return _Prefill(slice(start, end), None, None)
+        gather = _slots(step.block_tables[seq:seq + 1], ctx, self.block_size)[0]  # [C]
+        q_pos = torch.arange(ctx - q_len, ctx, device=gather.device)
+        mask = torch.arange(ctx, device=gather.device)[None, :] <= q_pos[:, None]  # [L, C]
+        return _Prefill(slice(start, end), gather, mask)
+
+    def rotate(self, qk, q, k):
+        """Rotate q and k in place; `qk` [T, (Hq + Hk) * D] is the q||k part of the fused projection."""
+        t, d = qk.shape[0], self.cos.shape[-1]
+        x = qk.view(t, -1, d)  # [T, Hq + Hk, D]: q and k heads rotated together
+        half = d // 2
+        swapped = torch.cat([x[..., half:], x[..., :half]], -1)  # rotate_half without the sign
+        torch.addcmul(x * self.cos, swapped, self.sin_signed, out=x)  # x is no input: safe to write
+
+    def attend(self, q, k, v, kv, kv_cache):
+        """Write this step's k||v rows `kv` [T, 2 * Hk * D] into the cache [blocks, block_size, 2, Hk, D],
+        then attention of q [T, Hq, D] (k, v [T, Hk, D] are views of kv); returns [T, Hq, D]."""
+        flat = kv_cache.view(-1, kv.shape[1])  # [slots, 2 * Hk * D]: one row per cached token
+        flat.index_copy_(0, self.slot_mapping, kv)
+        if self.decode is not None and not self.prefills:
+            return self._attend_decode(q, flat)
+        out = torch.empty_like(q)
+        if self.decode is not None:
+            out[self.decode.rows] = self._attend_decode(q[self.decode.rows], flat)
+        for p in self.prefills:
+            out[p.rows] = self._attend_prefill(q[p.rows], k[p.rows], v[p.rows], flat, p)
+        return out
+
+    def _attend_decode(self, q, flat):
+        plan = self.decode
+        bd, hq, d = q.shape
+        hk = flat.shape[1] // (2 * d)
+        kv = flat.index_select(0, plan.gather).view(bd, -1, 2, hk, d)  # [Bd, L, 2, Hk, D]
+        k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [Bd, Hk, L, D]
+        qg = q.reshape(bd, hk, hq // hk, d)  # [Bd, Hk, group, D]: a group's q heads share one kv head
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=self.scale)
+        return o.reshape(bd, hq, d)
+
+    def _attend_prefill(self, q, k, v, flat, plan: _Prefill):
+        if plan.gather is not None:  # a cached prefix: keys are the whole sequence so far
+            kv = flat.index_select(0, plan.gather).view(-1, 2, *k.shape[1:])  # [C, 2, Hk, D]
+            k, v = kv[:, 0], kv[:, 1]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=plan.mask, is_causal=plan.mask is None,
+                                           scale=self.scale, enable_gqa=True)  # [Hq, L, D]
+        return o.transpose(0, 1)
+
+
+def attention_for(step: StepInput, cos_sin_cache: torch.Tensor, scale: float, block_size: int, dtype: torch.dtype,
+                  kernels: bool | None = None):
+    """The attention object for one step: kernels on CUDA, torch on CPU (`kernels` overrides)."""
+    if kernels if kernels is not None else cos_sin_cache.is_cuda:
+        return KernelAttention(step, cos_sin_cache, scale)
+    return CpuAttention(step, cos_sin_cache, scale, block_size, dtype)

@@ -1,0 +1,123 @@
+"""EngineConfig (how the engine batches and caches) and SamplingParams (how one request samples).
+
+Both are frozen and validated on construction, so an engine never holds an inconsistent one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ...errors import ConfigError
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class RequestRejected(ConfigError):
+    """A request that can never be served as asked (too long, empty, bad token ids)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16  # tokens per KV-cache block
+    num_blocks: int | None = None  # KV-cache blocks; None: derived from kv_cache_memory by the loader
+    kv_cache_memory: str | float | None = None  # bytes ("4GiB", 1e9) or a fraction of free memory ("0.5")
+    max_num_seqs: int = 256  # sequences in the running batch
+    max_num_batched_tokens: int = 2048  # new tokens per step (decodes + prefill chunks)
+    max_model_len: int | None = None  # prompt + output tokens; None: the model's context length
+    max_batch_size: int | None = None  # the seed's dynamic-batching cap (a further limit on max_num_seqs)
+    max_wait_ms: float = 0.0  # an idle engine waits up to this long for a short queue to fill a batch
+    enable_prefix_caching: bool = True
+    seed: int = 0  # the engine's generator for requests without their own seed
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks", "max_model_len",
+                     "max_batch_size"):
+            if getattr(self, name) is not None:
+                _positive("--" + name.replace("_", "-"), getattr(self, name))
+        if self.kv_cache_memory is not None:
+            from ..runner import parse_kv_cache_memory  # the runner owns the cache and its sizing rules
+
+            parse_kv_cache_memory(self.kv_cache_memory)
+        if self.max_wait_ms < 0:
+            raise ConfigError(f"--max-wait-ms must be >= 0 (got {self.max_wait_ms})")
+        if self.max_num_batched_tokens < self.seqs_per_step:
+            raise ConfigError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least the number "
+                              f"of sequences per step ({self.seqs_per_step}) so every running decode fits a step")
+
+    @property
+    def seqs_per_step(self) -> int:
+        """Running sequences allowed at once: max_num_seqs, capped by max_batch_size."""
+        return min(self.max_num_seqs, self.max_batch_size or self.max_num_seqs)
+
+    def resolved(self, num_blocks: int, model_max_len: int) -> EngineConfig:
+        """This config with num_blocks and max_model_len filled in for a loaded model and cache."""
+        capacity = num_blocks * self.block_size
+        max_len = self.max_model_len or min(model_max_len, capacity)
+        if max_len > capacity:
+            raise ConfigError(f"the KV cache holds {capacity} tokens, fewer than --max-model-len {max_len}; "
+                              "lower --max-model-len or give the cache more memory (--kv-cache-memory)")
+        return replace(self, num_blocks=num_blocks, max_model_len=max_len)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int | None = 16  # None: until max_model_len
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None  # a private generator: the same tokens whatever else is in the batch
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; n: the chosen token's logprob and the top n alternatives
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        if self.max_tokens is not None:
+            _positive("max_tokens", self.max_tokens)
+        _in_range("temperature", self.temperature, 0.0, None)
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 turns it off; got {self.top_k})")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1] (got {self.top_p})")
+        _in_range("min_p", self.min_p, 0.0, 1.0)
+        _in_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _in_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty must be > 0 (1 turns it off; got {self.repetition_penalty})")
+        if any(not s for s in self.stop):
+            raise ConfigError("stop strings must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ConfigError(f"logprobs must be between 0 and 20 (got {self.logprobs})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer (got {value!r})")
+
+
+def _in_range(name: str, value: float, low: float | None, high: float | None) -> None:
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise ConfigError(f"{name} must be {bounds} (got {value})")

@@ -1,0 +1,171 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+Every step the token budget (`max_num_batched_tokens`) goes first to running decodes (one token
+each), then to prefills already under way, then to waiting requests in arrival order, whose
+prompts are cut into chunks that fit what is left. So a long prompt never stalls the decodes.
+When a decode needs a block and none is free, the newest running sequence is preempted: its
+blocks are freed and it goes back to the front of the queue, to be recomputed later.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .config import EngineConfig, RequestRejected
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each sequence runs this step
+    samples: list[bool] = field(default_factory=list)  # whether they reach its end, so its next token is sampled
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
+        self.samples.append(seq.num_computed_tokens + n == seq.num_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def sampled_seqs(self) -> list[Sequence]:
+        return [s for s, sample in zip(self.seqs, self.samples) if sample]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig):
+        if config.num_blocks is None or config.max_model_len is None:
+            raise ValueError("Scheduler needs a resolved EngineConfig (num_blocks and max_model_len set)")
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self.num_preemptions = 0
+        self.finished_by_reason: Counter[str] = Counter()
+
+    def check(self, seq: Sequence) -> None:
+        """Reject a request that could never run to its end, with the reason."""
+        cfg = self.config
+        if seq.num_prompt_tokens == 0:
+            raise RequestRejected("the prompt is empty; give at least one token")
+        if seq.num_prompt_tokens >= cfg.max_model_len:
+            raise RequestRejected(f"the prompt has {seq.num_prompt_tokens} tokens but max_model_len is "
+                                  f"{cfg.max_model_len} (prompt plus at least one new token); shorten the prompt")
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None and seq.num_prompt_tokens + max_tokens > cfg.max_model_len:
+            raise RequestRejected(f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
+                                  f"max_model_len {cfg.max_model_len}; shorten the prompt or lower max_tokens")
+        longest = cfg.max_model_len if max_tokens is None else seq.num_prompt_tokens + max_tokens
+        needed = self.block_manager.blocks_for(longest)
+        if needed > cfg.num_blocks:
+            raise RequestRejected(f"the request may grow to {longest} tokens ({needed} KV blocks) but the cache has "
+                                  f"{cfg.num_blocks} blocks; lower max_tokens or give the cache more memory")
+
+    def add(self, seq: Sequence) -> None:
+        self.check(seq)
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        """The next step's batch (empty when there is nothing to run)."""
+        batch = ScheduledBatch()
+        budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens)
+        budget = self._schedule_running_prefills(batch, budget)
+        self._admit_waiting(batch, budget)
+        return batch
+
+    def _schedule_decodes(self, batch: ScheduledBatch, budget: int) -> int:
+        queue = deque(s for s in self.running if s.num_uncomputed_tokens == 1)
+        while queue:
+            seq = queue.popleft()
+            while not self.block_manager.can_append(seq):
+                victim = self.running[-1]
+                if victim in queue:
+                    queue.remove(victim)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append_slots(seq)
+                batch.add(seq, 1)
+                budget -= 1
+        return budget
+
+    def _schedule_running_prefills(self, batch: ScheduledBatch, budget: int) -> int:
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.num_uncomputed_tokens > 1:
+                n = min(seq.num_uncomputed_tokens, budget)
+                batch.add(seq, n)
+                budget -= n
+        return budget
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        # First come, first served: a head that does not fit blocks the queue (no starvation).
+        while self.waiting and budget > 0 and len(self.running) < self.config.seqs_per_step:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.time()
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            batch.add(seq, n)
+            budget -= n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> None:
+        """Account for a finished step: `sampled` holds one new token per sequence in
+        `batch.sampled_seqs`, in that order. Sequences that end on a token are finished and freed."""
+        new_tokens = iter(sampled)
+        for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+            if samples:
+                seq.append_token(next(new_tokens))
+                reason = seq.token_limit_reason(self.config.max_model_len)
+                if reason:
+                    self.finish(seq, reason)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq` now (a stop condition, or an abort) and free its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.mark_finished(reason)
+        self.finished_by_reason[reason] += 1
+
+    def fill_wait_s(self, now: float | None = None) -> float:
+        """How long an idle engine should wait for more requests before it starts a batch: up to
+        max_wait_ms after the oldest arrival while the queue is shorter than a batch and nothing runs."""
+        cfg = self.config
+        if cfg.max_wait_ms <= 0 or self.running or not self.waiting or len(self.waiting) >= cfg.seqs_per_step:
+            return 0.0
+        now = time.time() if now is None else now
+        oldest = min(s.arrival_time for s in self.waiting)
+        return max(0.0, oldest + cfg.max_wait_ms / 1000.0 - now)

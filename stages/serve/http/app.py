@@ -1,0 +1,105 @@
+"""create_app: the FastAPI application around an engine (given, or loaded in the background)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from contextlib import asynccontextmanager
+from typing import Callable
+
+from fastapi import FastAPI
+
+from ...errors import LlmoptError
+
+from . import chat, completions, routes
+from .config import ServerConfig
+from .errors import install_handlers
+from .middleware import AccessLog, ApiKeyAuth, BodyLimit
+from .state import ServerState
+
+log = logging.getLogger("llmopt.serve")
+
+
+def create_app(config: ServerConfig, engine=None, loader: Callable[[], object] | None = None,
+               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The app serving `engine` (an LLMEngine), or the one `loader()` returns: it runs in a thread
+    of its own once the server is up, and /health answers 503 until it is done."""
+    if (engine is None) == (loader is None):
+        raise ValueError("give either an engine or a loader")
+    state = ServerState(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if engine is not None:
+            state.attach(engine)
+        else:
+            _load_in_background(state, loader, on_load_error)
+        try:
+            yield
+        finally:
+            state.draining = True
+            state.shutdown()
+
+    app = FastAPI(title="llmopt", summary="OpenAI-compatible server for llmopt models", version="1",
+                  lifespan=lifespan)
+    app.state.server = state
+    for module in (completions, chat, routes):
+        app.include_router(module.router)
+    install_handlers(app)
+    app.openapi = lambda: _openapi(app)
+    _add_middleware(app, config)
+    return app
+
+
+def _add_middleware(app: FastAPI, config: ServerConfig) -> None:
+    # Each one added wraps the ones before: the access log sees every answer, 401 and 413 included.
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    if config.api_key is not None:
+        open_paths = {"/health"} | ({"/metrics"} if config.metrics_public else set())
+        app.add_middleware(ApiKeyAuth, api_key=config.api_key, open_paths=frozenset(open_paths))
+    app.add_middleware(AccessLog, log_json=config.log_json)
+
+
+def _load_in_background(state: ServerState, loader, on_load_error) -> None:
+    # A daemon thread rather than the default executor: Ctrl-C during a long load must not wait for it.
+    loop = asyncio.get_running_loop()
+
+    def done(engine, error) -> None:
+        if error is None:
+            if state.draining:
+                return
+            state.attach(engine)
+            log.info("model loaded; serving")
+            return
+        state.load_error = error
+        log.error("the model failed to load: %s", error, exc_info=None if isinstance(error, LlmoptError) else error)
+        if on_load_error is not None:
+            on_load_error(error)
+
+    def work() -> None:
+        try:
+            engine, error = loader(), None
+        except BaseException as e:  # reported through /health and on_load_error, never lost
+            engine, error = None, e
+        try:
+            loop.call_soon_threadsafe(done, engine, error)
+        except RuntimeError:  # the server has already stopped
+            pass
+
+    state.loader = threading.Thread(target=work, name="llmopt-load", daemon=True)
+    state.loader.start()
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's spec without its 422 responses: validation errors here are OpenAI-style 400s."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        spec = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        for path in spec.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            spec.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = spec
+    return app.openapi_schema

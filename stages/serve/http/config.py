@@ -1,0 +1,42 @@
+"""ServerConfig: how the HTTP layer admits, limits, authenticates and logs requests."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # loopback unless asked: an open port serves anyone who can reach it
+    port: int = 8000
+    served_model_name: str = "model"
+    api_key: str | None = None  # when set, every route but /health needs `Authorization: Bearer KEY`
+    metrics_public: bool = False  # /metrics without the key
+    max_queued_requests: int = 256  # sequences waiting beyond the running batch; more get 503
+    max_queued_tokens: int = 262_144  # prompt tokens not yet prefilled; more get 503
+    max_body_bytes: int = 4 * 1024 * 1024
+    request_timeout_s: float | None = None  # a request still running after this is aborted
+    drain_timeout_s: float = 30.0  # on SIGTERM/SIGINT, how long in-flight requests may finish
+    retry_after_s: int = 1  # the Retry-After header of a 503
+    log_json: bool = False  # access log as JSON lines
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in 0..65535 (got {self.port})")
+        _at_least("--max-queued-requests", self.max_queued_requests, 0)
+        _at_least("--max-queued-tokens", self.max_queued_tokens, 1)
+        _at_least("--max-body-bytes", self.max_body_bytes, 1)
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ConfigError(f"--request-timeout must be > 0 seconds (got {self.request_timeout_s})")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"--drain-timeout must be >= 0 seconds (got {self.drain_timeout_s})")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("--api-key must not be empty")
+        if not self.served_model_name:
+            raise ConfigError("--served-model-name must not be empty")
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise ConfigError(f"{name} must be at least {low} (got {value})")

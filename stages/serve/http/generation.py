@@ -1,0 +1,149 @@
+"""Generation: the engine sequences of one HTTP request (each prompt times n), as one stream.
+
+It checks every sequence before any is admitted (a too-long prompt is a 400 even on a busy
+server), takes a place in the queue (or a 503), merges the sequences' outputs, feeds the metrics,
+and on every way out — finished, client gone, timeout, error — aborts what is still running, so
+the engine frees those KV blocks at its next step.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ..engine.engine import RequestOutput
+from .errors import APIError
+from .metrics import SequenceTrace
+from .prompts import check_length
+
+
+@dataclass
+class ChoiceResult:
+    """Everything one sequence produced, for a non-streaming response."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.delta_text
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs or []
+        self.finish_reason = out.finish_reason
+        self.num_prompt_tokens, self.num_output_tokens = out.num_prompt_tokens, out.num_output_tokens
+
+
+class Generation:
+    def __init__(self, state, request_id: str, prompts: list[list[int]], params: list, prompt_param: str = "prompt"):
+        self.state, self.engine = state, state.ready_engine()
+        self.request_id, self.prompts, self.params = request_id, prompts, params
+        self.prompt_param = prompt_param  # the body field the prompts came from, for error messages
+        self.jobs = [(f"{request_id}-{len(params) * p + i}", ids, sp)
+                     for p, ids in enumerate(prompts) for i, sp in enumerate(params)]
+        self.traces = [SequenceTrace(state.metrics) for _ in self.jobs]
+        self.finished: set[int] = set()
+        self.timed_out = self.disconnected = False
+        self.ticket = self.timer = self.watcher = None
+        self.streams: list[AsyncIterator[RequestOutput]] = []
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def start(self, request=None) -> Generation:
+        """Check, admit and submit every sequence; watch `request` for a client disconnect."""
+        for ids in self.prompts:  # a 400 for any prompt before anything is queued
+            check_length(len(ids), self.params[0].max_tokens, self.state.max_model_len, self.prompt_param)
+            self.engine.engine.make_sequence(self.request_id, params=self.params[0], prompt_token_ids=ids)
+        self.ticket = self.state.admission.admit([len(ids) for _, ids, _ in self.jobs])
+        try:
+            for seq_id, ids, params in self.jobs:
+                self.streams.append(self.engine.add_request(seq_id, params=params, prompt_token_ids=ids))
+        except BaseException:  # the engine died meanwhile: take back what was submitted
+            self.close()
+            raise
+        timeout = self.state.config.request_timeout_s
+        if timeout is not None:
+            self.timer = asyncio.get_running_loop().call_later(timeout, self._expire)
+        if request is not None:
+            self.watcher = asyncio.ensure_future(self._watch(request))
+        return self
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(sequence index, output) as they come; APIError 504 when the request timed out."""
+        try:
+            async for index, out in self._merged():
+                self.ticket.start(index)
+                self.traces[index].observe(out)
+                if out.finished:
+                    self.finished.add(index)
+                    if out.finish_reason == "abort" and self.timed_out:
+                        raise APIError(504, f"the request did not finish within {self.state.config.request_timeout_s}"
+                                       " s (the server's --request-timeout)", code="request_timeout")
+                yield index, out
+        finally:
+            self.close()
+
+    async def collect(self) -> list[ChoiceResult]:
+        results = [ChoiceResult() for _ in self.jobs]
+        async for index, out in self.outputs():
+            results[index].add(out)
+        if self.disconnected:  # nobody will read this; it names the outcome in the access log
+            raise APIError(499, "the client closed the connection", code="client_closed_request")
+        return results
+
+    def cancel(self) -> None:
+        """Abort every submitted sequence that has not finished (the engine frees its blocks next step)."""
+        for index, (seq_id, _, _) in enumerate(self.jobs[:len(self.streams)]):
+            if index not in self.finished:
+                self.engine.abort(seq_id)
+
+    def close(self) -> None:
+        """End the request for good: abort leftovers, stop the timer and watcher, leave the queue."""
+        for handle in (self.timer, self.watcher):
+            if handle is not None:
+                handle.cancel()
+        self.cancel()
+        if self.ticket is not None:
+            self.ticket.close()
+
+    def _expire(self) -> None:
+        self.timed_out = True
+        self.cancel()
+
+    async def _watch(self, request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected = True
+        self.cancel()
+
+    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if len(self.streams) == 1:
+            async for out in self.streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.ensure_future(_pump(i, stream, queue)) for i, stream in enumerate(self.streams)]
+        try:
+            done = 0
+            while done < len(tasks):
+                index, item = await queue.get()
+                if item is None:
+                    done += 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+async def _pump(index: int, stream: AsyncIterator[RequestOutput], queue: asyncio.Queue) -> None:
+    try:
+        async for out in stream:
+            queue.put_nowait((index, out))
+    except Exception as e:  # the engine died: the merged stream re-raises it
+        queue.put_nowait((index, e))
+    queue.put_nowait((index, None))

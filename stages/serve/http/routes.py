@@ -1,0 +1,54 @@
+"""GET /v1/models, /health and /metrics."""
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from .common import ERROR_RESPONSES, check_model, server_state
+
+router = APIRouter()
+STARTED = int(time.time())
+
+
+@router.get("/v1/models", responses=ERROR_RESPONSES)
+async def list_models(request: Request):
+    state = server_state(request)
+    state.ready_engine()
+    return {"object": "list", "data": [_model_card(state)]}
+
+
+@router.get("/v1/models/{model}", responses=ERROR_RESPONSES)
+async def retrieve_model(model: str, request: Request):
+    state = server_state(request)
+    state.ready_engine()
+    check_model(model, state)
+    return _model_card(state)
+
+
+def _model_card(state) -> dict:
+    return {"id": state.config.served_model_name, "object": "model", "created": STARTED, "owned_by": "llmopt",
+            "max_model_len": state.max_model_len}
+
+
+@router.get("/health", responses={503: {"description": "loading, shutting down, or the engine is dead"}})
+async def health(request: Request):
+    """200 when the engine is loaded and running; 503 while loading, draining, or when it has died."""
+    state = server_state(request)
+    if state.healthy:
+        return {"status": "ok"}
+    if state.engine is None:
+        status = "load_failed" if state.load_error is not None else "loading"
+    else:
+        status = "draining" if state.draining else "engine_dead"
+    return JSONResponse({"status": status}, status_code=503)
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(request: Request):
+    """Prometheus text format; names prefixed `llmopt:`."""
+    state = server_state(request)
+    rejected = state.admission.rejected if state.admission is not None else {}
+    text = state.metrics.render(state.stats(), rejected, state.healthy)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")

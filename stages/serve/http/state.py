@@ -1,0 +1,66 @@
+"""ServerState: the engine (once loaded), the HTTP side's tokenizer, admission and metrics."""
+from __future__ import annotations
+
+import copy
+import logging
+
+from ..engine.async_engine import AsyncEngine
+from .admission import Admission
+from .config import ServerConfig
+from .errors import APIError, engine_dead
+from .metrics import ServerMetrics
+
+log = logging.getLogger("llmopt.serve")
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.engine: AsyncEngine | None = None
+        self.tokenizer = None
+        self.admission: Admission | None = None
+        self.max_model_len: int | None = None
+        self.load_error: BaseException | None = None
+        self.draining = False
+        self.loader = None  # the thread loading the model, when the app loads it
+
+    def attach(self, llm_engine) -> None:
+        """Serve `llm_engine` (an LLMEngine): start its loop thread and open the API."""
+        # The engine thread detokenizes while requests are tokenized here: each side gets its own
+        # tokenizer, as the Rust tokenizer object refuses concurrent use from two threads.
+        self.tokenizer = copy.deepcopy(llm_engine.tokenizer)
+        self.max_model_len = llm_engine.config.max_model_len
+        self.admission = Admission(self.config, llm_engine.config.seqs_per_step)
+        self.engine = AsyncEngine(llm_engine)
+
+    @property
+    def healthy(self) -> bool:
+        return self.engine is not None and self.engine.is_healthy and not self.draining
+
+    def ready_engine(self) -> AsyncEngine:
+        """The running engine, or 503: still loading, failed to load, or dead."""
+        if self.engine is None:
+            if self.load_error is not None:
+                raise APIError(503, f"the model failed to load: {self.load_error}", code="load_failed")
+            raise APIError(503, "the model is still loading; retry shortly", code="loading",
+                           headers={"Retry-After": str(self.config.retry_after_s)})
+        if not self.engine.is_healthy:
+            raise engine_dead(self.engine.error or RuntimeError("shut down"))
+        return self.engine
+
+    def stats(self):
+        return self.engine.stats() if self.engine is not None else None
+
+    def shutdown(self) -> None:
+        """Stop the engine after its current step (again harmless)."""
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    def finish(self) -> None:
+        """After the server has stopped: let a load still under way end (a process that exits under a
+        thread inside torch can abort, and an import may be mid-write), then stop the engine."""
+        if self.loader is not None and self.loader.is_alive():
+            log.info("waiting for the model load to finish before exiting")
+            self.loader.join()
+        self.shutdown()

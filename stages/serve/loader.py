@@ -1,0 +1,208 @@
+"""Load a Llama-family model source into the serve `Runtime`.
+
+The runtime is built on the meta device; the projections are made from the memory-mapped
+safetensors tensors (q/k/v and gate/up concatenated along the output dimension when they share a
+scheme), then the remaining tensors (embedding, norms) are assigned without a copy unless the
+dtype or device changes. Quantized artifacts (compressed-tensors W4A16/W8A16 pack-quantized,
+W8A8 int-quantized) load into the quantized linears of `llmopt.kernels`, with each Linear's
+group size as its config group records it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from llmopt.kernels import W4A16Linear, W8A8Linear, W8A16Linear, build_cos_sin_cache, w4a16_dequantize
+from llmopt.kernels.wq_matmul import dequantize_ref, resolve_group_size
+
+from ..compressed import LinearScheme, decompress_linear, parse_schemes
+from ..ctpack import pack_zero_point, unpack_zero_point
+from ..errors import ArtifactError, ConfigError, SourceError
+from ..model_io import parse_dtype
+from ..safetensors_io import load_dir, weight_files
+from .model import ConcatLinear, DenseLinear, Runtime, spec_from_config
+
+PROJECTIONS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
+               "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+
+
+def locate(ref: str) -> tuple[Path, list[str]]:
+    """(directory, safetensors files) of any model source; GGUF sources go through the import cache."""
+    from ..source import as_artifact, resolve
+
+    source = resolve(str(ref))
+    art = as_artifact(source)
+    if art is not None:
+        return art.path, art.weight_files
+    return source.path, weight_files(source.path)
+
+
+def load_runtime(ref, device="cpu", dtype=None, linear_backend: str | None = None):
+    """(runtime, tokenizer, config dict) for a source ref (alias, GGUF, HF dir, artifact) or directory.
+
+    dtype: None keeps the checkpoint's dtype (a torch.dtype or fp32/bf16/fp16 also work).
+    linear_backend: None picks the fastest path per device; "torch" forces the quantized linears'
+    reference twins (exact dequantized fp32 matmuls, for tests).
+    """
+    from ..model_io import load_tokenizer
+
+    directory, files = locate(ref)
+    config = read_config(directory)
+    spec_from_config(config)  # refuse other architectures before touching any weights
+    if not files:
+        raise ArtifactError(f"{directory}: no safetensors weights (the serve runtime loads safetensors only)")
+    dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    runtime = build_runtime(config, load_dir(directory, files), torch.device(device), dtype, linear_backend)
+    return runtime, load_tokenizer(directory), config
+
+
+def read_config(directory: Path) -> dict:
+    """config.json as a dict; SourceError when it is missing or not JSON."""
+    try:
+        return json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SourceError(f"{directory}/config.json cannot be read ({e.__class__.__name__}: {e})") from None
+
+
+def _stored_dtype(state: dict) -> torch.dtype:
+    for name, t in state.items():
+        if t.is_floating_point() and not name.endswith(("_scale", "_zero_point")):
+            return t.dtype
+    return torch.float32
+
+
+def build_runtime(config: dict, state: dict, device: torch.device, dtype=None, linear_backend=None) -> Runtime:
+    """A Runtime for `config` with the tensors of `state` (HF names, compressed-tensors layout if quantized)."""
+    spec = spec_from_config(config)
+    qconfig = config.get("quantization_config")
+    if qconfig and qconfig.get("quant_method") == "bitsandbytes":
+        raise ConfigError("bitsandbytes artifacts cannot be served; quantize with --method rtn/gptq/awq/smoothquant")
+    dtype = dtype or _stored_dtype(state)
+    with torch.device("meta"):
+        runtime = Runtime(spec, dtype)
+    weights = _Weights(state, qconfig, spec.num_layers, device, dtype, linear_backend)
+    for i, layer in enumerate(runtime.layers):
+        for attr, parts in PROJECTIONS.items():
+            setattr(layer, attr, weights.linear([f"model.layers.{i}.{p}" for p in parts]))
+    runtime.load_state_dict(weights.rest(spec.num_layers), strict=False, assign=True)
+    tied = spec.tie_word_embeddings or not weights.has("lm_head")
+    runtime.lm_head = DenseLinear.of(runtime.embed_tokens).prepare_cpu() if tied else weights.linear(["lm_head"])
+    runtime.cos_sin_cache = build_cos_sin_cache(spec.head_dim, spec.max_positions, spec.rope_theta,
+                                                spec.rope_scaling or None, device=device)
+    on_meta = [n for n, b in runtime.named_buffers() if b.device.type == "meta"]
+    if on_meta:
+        raise ArtifactError(f"weights missing from the safetensors files: {', '.join(on_meta[:5])}")
+    return runtime.eval()
+
+
+class _Weights:
+    """The checkpoint's tensors, handed out as runtime modules on `device` in `dtype`."""
+
+    def __init__(self, state: dict, qconfig: dict | None, num_layers: int, device, dtype, backend):
+        self.state, self.device, self.dtype, self.backend = state, device, dtype, backend
+        names = [f"model.layers.{i}.{p}" for i in range(num_layers) for ps in PROJECTIONS.values() for p in ps]
+        self.schemes = parse_schemes(qconfig, names + ["lm_head"]) if qconfig else {}
+
+    def has(self, name: str) -> bool:
+        return any(k.startswith(name + ".") for k in self.state)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """The tensor on the runtime's device; dense floats in the runtime's dtype, scales as stored."""
+        if key not in self.state:
+            raise ArtifactError(f"tensor {key} is missing from the safetensors files")
+        t = self.state[key]
+        convert = t.is_floating_point() and not key.endswith("_scale")
+        return t.to(device=self.device, dtype=self.dtype if convert else t.dtype)
+
+    def rest(self, num_layers: int) -> dict:
+        """Embedding and norm weights under the runtime's names."""
+        out = {"embed_tokens": self.tensor("model.embed_tokens.weight"), "norm": self.tensor("model.norm.weight")}
+        for i in range(num_layers):
+            for ours, theirs in NORMS.items():
+                out[f"layers.{i}.{ours}"] = self.tensor(f"model.layers.{i}.{theirs}.weight")
+        return out
+
+    def linear(self, names: list[str]) -> nn.Module:
+        """One module computing the concatenated outputs of the Linears `names`."""
+        schemes = {self.schemes.get(n) for n in names}
+        if len(schemes) > 1:  # mixed schemes cannot share one weight: run them side by side
+            return ConcatLinear([self.linear([n]) for n in names])
+        scheme = schemes.pop()
+        bias = self._bias(names)
+        if scheme is None:
+            return DenseLinear.of(_cat([self.tensor(f"{n}.weight") for n in names]), bias).prepare_cpu()
+        layer = _quant_linear(scheme, [self._quant_part(n, scheme) for n in names], bias, self.backend)
+        weight_only = isinstance(layer, (W4A16Linear, W8A16Linear))
+        if weight_only and self.backend is None and self.device.type == "cpu" and layer.cpu_weight is None:
+            # No CPU kernel takes this layout (group-wise int8, odd shapes): its reference twin would
+            # dequantize the whole weight on every call (~8x slower than dense here). Dequantize once.
+            return DenseLinear.of(_dequantized(layer).to(self.dtype), bias).prepare_cpu()
+        return layer
+
+    def _bias(self, names: list[str]) -> torch.Tensor | None:
+        if not any(f"{n}.bias" in self.state for n in names):
+            return None
+        parts = [self.tensor(f"{n}.bias") if f"{n}.bias" in self.state else None for n in names]
+        sizes = [self._out_features(n) for n in names]
+        return _cat([p if p is not None else torch.zeros(s, dtype=self.dtype, device=self.device)
+                     for p, s in zip(parts, sizes)])
+
+    def _out_features(self, name: str) -> int:
+        key = next(k for k in (f"{name}.weight", f"{name}.weight_packed") if k in self.state)
+        return self.state[key].shape[0]
+
+    def _quant_part(self, name: str, scheme: LinearScheme) -> dict:
+        """One Linear's tensors in the layout its kernel linear takes; zero points unpacked to int8 codes."""
+        if scheme.activations:
+            if not scheme.symmetric:
+                raise ConfigError(f"{name}: asymmetric W8A8 weights are not supported")
+            return {"weight": self.tensor(f"{name}.weight"), "weight_scale": self.tensor(f"{name}.weight_scale")}
+        if scheme.bits == 4:
+            part = {"weight_packed": self.tensor(f"{name}.weight_packed"),
+                    "weight_scale": self.tensor(f"{name}.weight_scale"),
+                    "in_features": int(self.state[f"{name}.weight_shape"][1])}
+            if f"{name}.weight_zero_point" in self.state:
+                zp = self.state[f"{name}.weight_zero_point"]
+                part["zero"] = unpack_zero_point(zp, 4, part["weight_packed"].shape[0]).to(self.device)
+            return part
+        if scheme.bits == 8:
+            q, scale, zp = decompress_linear(self.state, name, scheme)
+            part = {"weight": q.to(self.device), "weight_scale": scale.to(self.device)}
+            return part if zp is None else {**part, "zero": zp.to(self.device)}
+        raise ConfigError(f"{name}: {scheme.bits}-bit weights are not supported (4 and 8 bits only)")
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+
+
+def _dequantized(layer: nn.Module) -> torch.Tensor:
+    """The dense fp32 weight [N, K] = (q - zero) * scale that a quantized linear represents."""
+    if isinstance(layer, W4A16Linear):
+        return w4a16_dequantize(layer.weight_packed, layer.weight_scale, layer.in_features, layer.weight_zero_point,
+                                layer.group_size)
+    group = resolve_group_size(layer.in_features, layer.weight_scale, layer.group_size)
+    zero = 0 if layer.weight_zero_point is None else layer.weight_zero_point
+    return dequantize_ref(layer.weight, layer.weight_scale, zero, group)
+
+
+def _quant_linear(scheme: LinearScheme, parts: list[dict], bias, backend) -> nn.Module:
+    """A kernel linear over the parts concatenated along the output dimension (same scheme, same K)."""
+    if len({p.get("in_features") for p in parts}) > 1:
+        raise ArtifactError("fused projections disagree on their input size")
+    t = {k: _cat([p[k] for p in parts]) for k in parts[0] if k != "in_features"}
+    group = None if scheme.group_size == -1 else scheme.group_size
+    if scheme.activations:
+        return W8A8Linear.from_compressed(t, bias=bias, backend=backend)
+    if scheme.bits == 8:
+        if "zero" in t:
+            t["weight_zero_point"] = t.pop("zero")
+        return W8A16Linear.from_compressed(t, group, bias=bias, backend=backend)
+    t["weight_shape"] = torch.tensor([t["weight_packed"].shape[0], parts[0]["in_features"]])
+    if "zero" in t:  # packed along the output dim: repack the concatenation
+        t["weight_zero_point"] = pack_zero_point(t.pop("zero"), 4)
+    return W4A16Linear.from_compressed(t, group, bias=bias, backend=backend)

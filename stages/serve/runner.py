@@ -1,0 +1,129 @@
+"""ModelRunner: owns the paged KV cache and runs one StepInput through the runtime.
+
+The cache is allocated once, as one tensor [layers, num_blocks, block_size, 2, Hk, D]: a token's
+key and value sit side by side, so the CPU path writes and gathers both with one op. Per layer,
+`k_caches[l]` and `v_caches[l]` are its [num_blocks, block_size, Hk, D] views with shared
+strides, the layout `llmopt.kernels.paged_attention` takes.
+Its size comes from `--kv-cache-memory`: a byte count ("4GiB", "512MB", 1e9) or a fraction of the
+memory free once the weights are loaded ("0.5"; CPU: MemAvailable, CUDA: cudaMemGetInfo).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import torch
+
+from ..errors import ConfigError
+from .attention import attention_for
+from .batch import StepInput
+from .model import ModelSpec, Runtime
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
+          "tib": 1 << 40, "b": 1}
+
+
+def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one cache block takes over all layers, keys and values."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * item
+
+
+def parse_kv_cache_memory(value) -> float | int:
+    """A fraction in (0, 1] (float) or a byte count (int) from "0.5", "4GiB", "512MB", 1e9, ..."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        text = repr(value)
+    else:
+        text = str(value).strip().lower().replace(" ", "")
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([a-z]*)", text)
+    if not match or match.group(2) not in _UNITS:
+        raise ConfigError(f"--kv-cache-memory {value!r}: give bytes (4GiB, 512MB, 1e9) or a fraction like 0.5")
+    number, unit = float(match.group(1)), match.group(2)
+    if not unit and 0 < number <= 1:
+        return number
+    if number * _UNITS[unit] < 1:
+        raise ConfigError(f"--kv-cache-memory {value!r} must be positive")
+    return int(number * _UNITS[unit])
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free for the cache now: CUDA free memory, or the kernel's MemAvailable on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def num_kv_blocks(spec: ModelSpec, kv_cache_memory, block_size: int, dtype: torch.dtype, device) -> int:
+    """How many cache blocks fit the `--kv-cache-memory` budget; ConfigError when not even one does."""
+    budget = parse_kv_cache_memory(kv_cache_memory)
+    if isinstance(budget, float):
+        budget = int(budget * free_memory_bytes(device))
+    per_block = kv_bytes_per_block(spec, block_size, dtype)
+    if budget < per_block:
+        raise ConfigError(f"--kv-cache-memory {kv_cache_memory}: {budget} bytes hold no cache block "
+                          f"({per_block} bytes each with block size {block_size}); give more memory")
+    return budget // per_block
+
+
+class ModelRunner:
+    """Runs StepInputs on a Runtime over a paged KV cache it owns."""
+
+    def __init__(self, runtime: Runtime, num_blocks: int, block_size: int = 16, kv_dtype: torch.dtype | None = None,
+                 kernels: bool | None = None):
+        """`kernels`: None picks by device (CUDA: Triton kernels, CPU: torch paths); True on CPU runs the
+        Triton kernels under the interpreter (slow; tests the CUDA code path)."""
+        spec = runtime.spec
+        if num_blocks < 1 or block_size < 1:
+            raise ConfigError(f"the KV cache needs at least one block of at least one token "
+                              f"(got {num_blocks} blocks of {block_size})")
+        self.runtime, self.num_blocks, self.block_size = runtime, num_blocks, block_size
+        self.kv_dtype = kv_dtype or runtime.dtype
+        shape = (spec.num_layers, num_blocks, block_size, 2, spec.num_kv_heads, spec.head_dim)
+        # zeros, not empty: padded gathers may read never-written slots, and 0 * NaN would leak.
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=runtime.device)
+        self.kv_caches = list(self.kv_cache)
+        self.k_caches, self.v_caches = [c[:, :, 0] for c in self.kv_caches], [c[:, :, 1] for c in self.kv_caches]
+        self.scale, self.kernels = spec.head_dim ** -0.5, kernels
+
+    @classmethod
+    def with_memory(cls, runtime: Runtime, kv_cache_memory, block_size: int = 16, kv_dtype=None) -> "ModelRunner":
+        """A runner whose cache fills `kv_cache_memory` (bytes or a fraction of free memory)."""
+        dtype = kv_dtype or runtime.dtype
+        blocks = num_kv_blocks(runtime.spec, kv_cache_memory, block_size, dtype, runtime.device)
+        return cls(runtime, blocks, block_size, dtype)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runtime.spec.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence the runtime can position (RoPE table, sliding window)."""
+        return self.runtime.spec.max_positions
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """fp32 logits [R, vocab] for the rows `step.logits_indices` of the flat batch."""
+        step = self._on_device(step)
+        attn = attention_for(step, self.runtime.cos_sin_cache, self.scale, self.block_size, self.runtime.dtype,
+                             self.kernels)
+        x, residual = self.runtime(step.token_ids, attn, self.kv_caches)
+        return self.runtime.compute_logits(x, residual, step.logits_indices, attn.op_backend)
+
+    def _on_device(self, step: StepInput) -> StepInput:
+        device = self.kv_cache.device
+        if step.token_ids.device == device:
+            return step
+        moved = {f.name: getattr(step, f.name) for f in dataclasses.fields(step)}
+        moved = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in moved.items()}
+        return StepInput(**moved)

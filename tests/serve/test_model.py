@@ -1,0 +1,165 @@
+"""The serve runtime against transformers: same logits (fp32, 1e-4) for every way a step can look."""
+import json
+
+import pytest
+import torch
+
+from llmopt.stages.errors import ConfigError
+from llmopt.stages.serve.loader import load_runtime
+from llmopt.stages.serve.model import SUPPORTED_ARCHITECTURES, spec_from_config
+from llmopt.stages.serve.runner import ModelRunner
+from tests.serve.runner_steps import Sequences, hf_last_logits, save_hf
+
+VOCAB = 300
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=0, bos_token_id=0, pad_token_id=0)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+ATOL = RTOL = 1e-4
+
+
+def _randomize(model, seed):
+    """HF init is tiny and leaves biases at zero and norms at one: widen everything so bugs show."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            elif "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def build_hf(kind: str, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
+        Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    if kind == "llama-tied":
+        model = LlamaForCausalLM(LlamaConfig(**SMALL, tie_word_embeddings=True))
+    elif kind == "llama-untied":
+        model = LlamaForCausalLM(LlamaConfig(**SMALL, tie_word_embeddings=False))
+    elif kind == "llama3-rope":
+        model = LlamaForCausalLM(LlamaConfig(**SMALL, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False))
+    elif kind == "qwen2-bias":
+        model = Qwen2ForCausalLM(Qwen2Config(**SMALL, tie_word_embeddings=False))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=None, tie_word_embeddings=False))
+    else:
+        raise ValueError(kind)
+    return _randomize(model, seed)
+
+
+KINDS = ["llama-tied", "llama-untied", "llama3-rope", "qwen2-bias", "mistral"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def pair(request, tmp_path_factory):
+    """(HF model, our runtime) of one architecture variant, loaded from a saved directory."""
+    model = build_hf(request.param)
+    path = save_hf(model, tmp_path_factory.mktemp(request.param))
+    runtime, _, _ = load_runtime(str(path))
+    return model, runtime
+
+
+def _tokens(n, seed):
+    return torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _check(out, model, seqs, ids):
+    for row, seq in zip(out, ids):
+        torch.testing.assert_close(row, hf_last_logits(model, seqs.tokens[seq][:seqs.cached[seq]]), atol=ATOL,
+                                   rtol=RTOL)
+
+
+def test_full_prefill(pair):
+    model, runtime = pair
+    seqs = Sequences(32, 16)
+    a, b = seqs.add(_tokens(23, 1)), seqs.add(_tokens(9, 2))
+    out = ModelRunner(runtime, 32, 16).execute(seqs.step([(a, 23), (b, 9)]))
+    assert out.shape == (2, VOCAB) and out.dtype == torch.float32
+    _check(out, model, seqs, [a, b])
+
+
+def test_chunked_prefill_then_decode(pair):
+    model, runtime = pair
+    runner, seqs = ModelRunner(runtime, 64, 4), Sequences(64, 4, seed=3)
+    a = seqs.add(_tokens(40, 4))
+    for n in (7, 12, 1, 9):  # chunks that continue a cached prefix, one of a single token
+        _check(runner.execute(seqs.step([(a, n)])), model, seqs, [a])
+    for _ in range(6):  # decode token by token over non-contiguous blocks of 4
+        _check(runner.execute(seqs.step([(a, 1)])), model, seqs, [a])
+
+
+def test_mixed_batch_prefill_chunks_and_decodes(pair):
+    model, runtime = pair
+    runner, seqs = ModelRunner(runtime, 96, 4), Sequences(96, 4, seed=5)
+    a, b, c, d = (seqs.add(_tokens(n, 10 + n)) for n in (30, 25, 14, 20))
+    runner.execute(seqs.step([(b, 10), (c, 5)]))
+    # c and b decode around a fresh prompt and a continued chunk; contexts of different lengths
+    for work in ([(c, 1), (a, 8), (b, 1), (d, 6)], [(a, 9), (b, 1), (c, 1), (d, 1)], [(d, 3), (c, 1), (b, 1)]):
+        out = runner.execute(seqs.step(work))
+        _check(out, model, seqs, [s for s, _ in work])
+
+
+def test_decode_batch_of_unequal_contexts(pair):
+    model, runtime = pair
+    runner, seqs = ModelRunner(runtime, 64, 4), Sequences(64, 4, seed=7)
+    ids = [seqs.add(_tokens(n, n)) for n in (3, 11, 6)]
+    runner.execute(seqs.step([(s, len(seqs.tokens[s]) - 2) for s in ids]))
+    for _ in range(2):
+        _check(runner.execute(seqs.step([(s, 1) for s in ids])), model, seqs, ids)
+
+
+def test_runtime_bf16_close_to_fp32(tmp_path):
+    model = build_hf("llama-untied")
+    runtime, _, _ = load_runtime(str(save_hf(model, tmp_path)), dtype="bf16")
+    assert runtime.dtype == torch.bfloat16
+    seqs = Sequences(16, 16)
+    a = seqs.add(_tokens(12, 0))
+    out = ModelRunner(runtime, 16, 16).execute(seqs.step([(a, 12)]))
+    ref = hf_last_logits(model, seqs.tokens[a])
+    assert ((out[0] - ref).norm() / ref.norm()) < 0.05
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    config = {**SMALL, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}
+    with pytest.raises(ConfigError, match="supported: " + ", ".join(SUPPORTED_ARCHITECTURES)):
+        spec_from_config(config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel is not supported"):
+        load_runtime(str(tmp_path))
+
+
+def test_spec_reads_both_rope_config_styles():
+    llama = {**SMALL, "model_type": "llama"}
+    old = spec_from_config({**llama, "rope_theta": 5e5, "rope_scaling": {k: v for k, v in LLAMA3_ROPE.items()
+                                                                         if k != "rope_theta"}})
+    new = spec_from_config({**llama, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5e5}})
+    assert old.rope_theta == new.rope_theta == 5e5 and old.rope_scaling == new.rope_scaling
+    assert spec_from_config({**SMALL, "model_type": "mistral", "sliding_window": 64}).max_positions == 64
+    with pytest.raises(ConfigError, match="rope_type 'yarn'"):
+        spec_from_config({**llama, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_kernel_path_matches_transformers_under_the_triton_interpreter(tmp_path):
+    """The CUDA code path (Triton rotary, norm with in-place residual, paged attention) on CPU."""
+    model = build_hf("qwen2-bias")
+    runtime, _, _ = load_runtime(str(save_hf(model, tmp_path)))
+    runner, seqs = ModelRunner(runtime, 32, 4, kernels=True), Sequences(32, 4, seed=2)
+    a, b = seqs.add(_tokens(12, 1)), seqs.add(_tokens(9, 2))
+    for work in ([(a, 6), (b, 7)], [(a, 5), (b, 1)], [(b, 1), (a, 1)]):  # prefill, mixed, decode
+        _check(runner.execute(seqs.step(work)), model, seqs, [s for s, _ in work])
+
+
+def test_prefill_after_a_shared_cached_prefix(pair):
+    """Prefix caching: a new sequence starts on another's blocks and prefills only its own tokens."""
+    model, runtime = pair
+    runner, seqs = ModelRunner(runtime, 32, 4), Sequences(32, 4, seed=9)
+    a = seqs.add(_tokens(14, 3))
+    runner.execute(seqs.step([(a, 14)]))
+    b = seqs.share_prefix(a, 3, _tokens(6, 4))  # 12 cached tokens, 6 new ones
+    c = seqs.share_prefix(a, 3, _tokens(1, 5))  # only its last token is new: the decode path
+    _check(runner.execute(seqs.step([(b, 6), (c, 1)])), model, seqs, [b, c])

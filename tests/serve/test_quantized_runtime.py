@@ -1,0 +1,135 @@
+"""Quantized artifacts written by our quantize stage, served by the runtime.
+
+Reference: transformers with the artifact's dequantized weights (`(q - zero) * scale`, what the
+quantizer evaluated). Two tolerances:
+- `linear_backend="torch"` runs the kernels' fp32 twins: exact dequantized matmuls, so 1e-4 as
+  for dense models. W8A8 quantizes activations per token by design; its reference applies the
+  same per-token int8 rounding to every Linear's input (then it is exact too).
+- The default CPU fast paths round activations (and scales) to bf16 for W4A16/W8A16, and fbgemm
+  quantizes W8A8 activations its own way. Their tolerance is measured, not guessed: the error
+  against the exact reference may be at most 3x the error that rounding every Linear's input and
+  output to bf16 (or to per-token int8) causes in the reference itself. On these random models
+  that emulated error is 1-5 % (they amplify perturbations), the fast paths measure 1-1.8x it.
+"""
+import warnings
+
+import pytest
+import torch
+
+from llmopt.kernels import W4A16Linear, W8A8Linear, W8A16Linear
+from llmopt.stages.model_io import load_model_dir
+from llmopt.stages.quantize.config import QuantizeConfig
+from llmopt.stages.quantize.run import run_quantize
+from llmopt.stages.serve.loader import load_runtime
+from llmopt.stages.serve.model import ConcatLinear, DenseLinear
+from llmopt.stages.serve.runner import ModelRunner
+from tests.helpers import write_hf_dir
+from tests.serve.runner_steps import Sequences, hf_last_logits
+
+SCHEMES = {"w4-sym": dict(scheme="W4A16", group_size="32"), "w4-asym": dict(scheme="W4A16", group_size="32",
+                                                                              symmetric=False),
+           "w4-auto": dict(scheme="W4A16"), "w8-group": dict(scheme="W8A16", group_size="32"),
+           "w8-channel": dict(scheme="W8A16", group_size="-1"), "w8a8": dict(scheme="W8A8"),
+           "w4-ignore-k": dict(scheme="W4A16", group_size="32", ignore=("re:.*k_proj$",))}
+TOKENS = torch.randint(1, 300, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant")
+    write_hf_dir(root / "base", hidden=64)
+    made = {}
+
+    def get(name):
+        if name not in made:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cfg = QuantizeConfig(method="rtn", eval_windows=0, **SCHEMES[name])
+                made[name] = run_quantize(str(root / "base"), root / name, cfg).path
+        return made[name]
+
+    return get
+
+
+def _round_inputs(model, how: str):
+    """Forward hooks that round every Linear's input (and, for bf16, output) as the fast path does."""
+    def pre(module, args):
+        x = args[0]
+        if how == "bf16":
+            return (x.to(torch.bfloat16).float(),)
+        scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
+        y = x / scale
+        return (torch.sign(y) * torch.floor(y.abs() + 0.5) * scale,)
+
+    def post(module, args, out):
+        return out.to(torch.bfloat16).float() if how == "bf16" else out
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            module.register_forward_pre_hook(pre)
+            module.register_forward_hook(post)
+    return model
+
+
+def _dequantized_hf(path):
+    """transformers model with dense `(q - zero) * scale` weights everywhere (W8A8 Linears too)."""
+    model = load_model_dir(path)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, W8A8Linear):
+            dense = torch.nn.Linear(module.in_features, module.out_features, bias=False)
+            dense.weight.data = module.weight.float() * module.weight_scale.float().reshape(-1, 1)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, dense)
+    return model
+
+
+def _run(path, backend):
+    """Logits of a prefill of 16 tokens, then 4 decode steps, over blocks of 4."""
+    runtime, _, _ = load_runtime(str(path), linear_backend=backend)
+    runner, seqs = ModelRunner(runtime, 32, 4), Sequences(32, 4)
+    a = seqs.add(TOKENS)
+    return [(runner.execute(seqs.step([(a, n)]))[0], TOKENS[:seqs.cached[a]]) for n in (16, 1, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("name", ["w4-sym", "w4-asym", "w8-group", "w8-channel", "w4-ignore-k"])
+def test_reference_path_matches_dequantized_weights(artifacts, name):
+    model = _dequantized_hf(artifacts(name))
+    for out, tokens in _run(artifacts(name), "torch"):
+        torch.testing.assert_close(out, hf_last_logits(model, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_w8a8_reference_path_matches_per_token_int8_activations(artifacts):
+    model = _round_inputs(_dequantized_hf(artifacts("w8a8")), "int8")
+    for out, tokens in _run(artifacts("w8a8"), "torch"):
+        torch.testing.assert_close(out, hf_last_logits(model, tokens), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["w4-sym", "w4-asym", "w8-channel", "w8-group", "w8a8"])
+def test_cpu_fast_paths_stay_within_their_rounding_error(artifacts, name):
+    exact = _dequantized_hf(artifacts(name))
+    emulated = _round_inputs(_dequantized_hf(artifacts(name)), "int8" if name == "w8a8" else "bf16")
+    for out, tokens in _run(artifacts(name), None):
+        ref = hf_last_logits(exact, tokens)
+        budget = (hf_last_logits(emulated, tokens) - ref).norm()
+        assert (out - ref).norm() <= 3 * budget + 1e-4 * ref.norm()
+
+
+def test_quantized_linears_are_fused_with_recorded_group_sizes(artifacts):
+    runtime, _, _ = load_runtime(str(artifacts("w4-auto")))
+    layer = runtime.layers[0]
+    # hidden 64, intermediate 128: auto picks 64 for the hidden-input Linears and 128 for down_proj
+    assert isinstance(layer.qkv, W4A16Linear) and layer.qkv.out_features == 64 + 2 * 32
+    assert (layer.qkv.group_size, layer.gate_up.group_size, layer.down.group_size) == (64, 64, 128)
+    assert layer.qkv.cpu_weight is not None and layer.gate_up.out_features == 256
+    assert isinstance(load_runtime(str(artifacts("w8-channel")))[0].layers[1].gate_up, W8A16Linear)
+    # no CPU kernel for group-wise int8: dequantized once to a dense weight instead of on every call
+    assert isinstance(load_runtime(str(artifacts("w8-group")))[0].layers[1].gate_up, DenseLinear)
+    assert isinstance(load_runtime(str(artifacts("w8-group")), linear_backend="torch")[0].layers[1].gate_up,
+                      W8A16Linear)
+    assert isinstance(load_runtime(str(artifacts("w8a8")))[0].layers[1].qkv, W8A8Linear)
+
+
+def test_mixed_schemes_in_one_projection_run_side_by_side(artifacts):
+    qkv = load_runtime(str(artifacts("w4-ignore-k")))[0].layers[0].qkv
+    assert isinstance(qkv, ConcatLinear)
+    assert [type(p).__name__ for p in qkv.parts] == ["W4A16Linear", "DenseLinear", "W4A16Linear"]
