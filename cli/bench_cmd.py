@@ -51,32 +51,50 @@ def run(ctx: typer.Context,
         quiet: Annotated[bool, Opt("--quiet", help="No live progress display.")] = False) -> None:
     if ctx.invoked_subcommand:
         return
-    from llmopt.stages.bench import config as cfg
-    from llmopt.stages.bench.dataset import DatasetConfig, load_requests, load_tokenizer
-    from llmopt.stages.bench.gate import parse_fail_on
-    from llmopt.stages.bench.server import ServerSpec, running_server
+    from llmopt.stages.bench.dataset import load_requests, load_tokenizer
+    from llmopt.stages.bench.server import running_server
     from llmopt.stages.errors import ConfigError
 
     if (url is None) == (server is None):
         raise ConfigError("give --url URL of a running server, or --server SOURCE to start one")
-    bounds = parse_fail_on(fail_on)
-    config = cfg.BenchConfig(url=cfg.normalize_url(url) if url else "http://127.0.0.1", endpoint=endpoint, model=model,
-                             api_key=api_key, request_rate=cfg.parse_rate(request_rate), burstiness=burstiness,
-                             max_concurrency=max_concurrency, warmup=warmup, seed=seed, temperature=temperature,
-                             ignore_eos=ignore_eos, timeout_s=timeout, slo=cfg.parse_slo(slo))
-    config.validate()
-    data = DatasetConfig(dataset, num_prompts, input_len, output_len, seed, tokenizer)
-    data.validate()
-    spec = ServerSpec(server, engine, tuple(a for s in serve_args or () for a in shlex.split(s)),
-                      startup_timeout_s=server_timeout) if server else None
-    if spec:
-        spec.validate()
+    config, data, bounds = build_config(locals())
+    spec = server_spec(server, locals()) if server else None
     with err.status(f"loading tokenizer {tokenizer}") if tokenizer else nullcontext():
         requests = load_requests(data, load_tokenizer(tokenizer) if tokenizer else None)
     with running_server(spec, note) if spec else nullcontext(config.url) as base:
         config = replace(config, url=base)
         report = _bench(config, data, requests, spec, quiet)
     raise typer.Exit(_finish(report, bounds, json, plot))
+
+
+def build_config(o: dict):
+    """(BenchConfig, DatasetConfig, fail-on bounds), validated, for `run`'s options (also what a recipe's
+    bench stage takes; there the server is started on the stage's input)."""
+    from llmopt.stages.bench import config as cfg
+    from llmopt.stages.bench.dataset import DatasetConfig
+    from llmopt.stages.bench.gate import parse_fail_on
+
+    bounds = parse_fail_on(o["fail_on"])
+    url = o.get("url")
+    config = cfg.BenchConfig(url=cfg.normalize_url(url) if url else "http://127.0.0.1", endpoint=o["endpoint"],
+                             model=o.get("model"), api_key=o.get("api_key"), request_rate=cfg.parse_rate(o["request_rate"]),
+                             burstiness=o["burstiness"], max_concurrency=o["max_concurrency"], warmup=o["warmup"],
+                             seed=o["seed"], temperature=o["temperature"], ignore_eos=o["ignore_eos"],
+                             timeout_s=o["timeout"], slo=cfg.parse_slo(o["slo"]))
+    config.validate()
+    data = DatasetConfig(o["dataset"], o["num_prompts"], o["input_len"], o["output_len"], o["seed"], o["tokenizer"])
+    data.validate()
+    return config, data, bounds
+
+
+def server_spec(source: str, o: dict):
+    """The validated ServerSpec that starts a server on `source` with `run`'s --engine/--serve-args options."""
+    from llmopt.stages.bench.server import ServerSpec
+
+    spec = ServerSpec(source, o["engine"], tuple(a for s in o["serve_args"] or () for a in shlex.split(s)),
+                      startup_timeout_s=o["server_timeout"])
+    spec.validate()
+    return spec
 
 
 def _bench(config, data, requests, spec, quiet: bool) -> dict:

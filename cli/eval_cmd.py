@@ -18,13 +18,10 @@ def run(source: Source,
         store: Annotated[bool, typer.Option("--store/--no-store", help="Save the result in the artifact's manifest.")] = True,
         json: Json = False) -> None:
     from llmopt.stages import source as sources
-    from llmopt.stages.data import resolve_text
-    from llmopt.stages.evaluate import EvalConfig, evaluate, metric_key
+    from llmopt.stages.evaluate import evaluate, metric_key
     from llmopt.stages.model_io import parse_dtype
 
-    config = EvalConfig(text=text, seqlen=seqlen, max_windows=max_windows, ref=ref)
-    config.validate()
-    resolve_text(text)  # fail on a missing data set before the slow model load
+    config = build_config(locals())
     torch_dtype = parse_dtype(dtype.value)
     with err.status(f"loading {source}"):
         loaded = sources.load(source, dtype=torch_dtype)
@@ -32,14 +29,26 @@ def run(source: Source,
     with progress_bar(f"eval {source}") as update:
         result = evaluate(loaded.model, loaded.tokenizer, config, ref_model=ref_model, on_window=update)
     if store and loaded.artifact is not None:
-        loaded.artifact.update_metrics(metric_key(config), _stored(result))
+        loaded.artifact.update_metrics(metric_key(config), stored(result))
     if json:
         print_json(result.to_dict())
     else:
         render(source, result)
 
 
-def _stored(result) -> dict:
+def build_config(o: dict):
+    """The validated EvalConfig for `run`'s options (also what a recipe's eval stage takes)."""
+    from llmopt.stages.data import resolve_text
+    from llmopt.stages.evaluate import EvalConfig
+
+    config = EvalConfig(text=o["text"], seqlen=o["seqlen"], max_windows=o["max_windows"], ref=o["ref"])
+    config.validate()
+    resolve_text(o["text"])  # fail on a missing data set before the slow model load
+    return config
+
+
+def stored(result) -> dict:
+    """What the manifest keeps of an eval result (no per-window numbers)."""
     data = result.to_dict()
     data.pop("window_nll")
     return data

@@ -10,7 +10,7 @@ from typer.exceptions import TyperException
 
 from llmopt.stages.errors import LlmoptError
 
-from . import bench_cmd, eval_cmd, generate_cmd, import_cmd, inspect_cmd, prune_cmd, quantize_cmd, serve_cmd
+from . import bench_cmd, eval_cmd, generate_cmd, import_cmd, inspect_cmd, profile_cmd, prune_cmd, quantize_cmd, run_cmd, serve_cmd, shard_cmd
 
 app = typer.Typer(
     name="llmopt", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -20,9 +20,12 @@ app.command("import", help="Write a base artifact from any model source.")(impor
 app.command("inspect", help="Show an artifact's manifest, lineage, sizes and metrics.")(inspect_cmd.run)
 app.command("quantize", help="Quantize (RTN, GPTQ, AWQ, SmoothQuant, bitsandbytes) into a compressed-tensors artifact.")(quantize_cmd.run)
 app.command("prune", help="Prune (magnitude, Wanda, SparseGPT; unstructured, N:M) or shrink (MLP channels, layers).")(prune_cmd.run)
+app.command("shard", help="Split a model for tensor-parallel serving (--tp N): one folder per rank plus the plan.")(shard_cmd.run)
 app.command("eval", help="Perplexity (and KL vs a reference) on a text, GPTQ-style windows.")(eval_cmd.run)
 app.command("generate", help="Offline generation through the serve engine (one prompt, or a resumable JSONL batch).")(generate_cmd.run)
+app.command("profile", help="Where time and memory go on the serve engine: roofline, per-layer/op, capacity plan, HTML.")(profile_cmd.run)
 app.command("serve", help="OpenAI-compatible HTTP server: streaming, metrics, health, backpressure, auth.")(serve_cmd.run)
+app.command("run", help="Run a recipe (YAML pipeline): stages in order, finished ones skipped, one comparison table.")(run_cmd.run)
 app.add_typer(bench_cmd.app, name="bench", help="Load-test an OpenAI-compatible server; `bench compare` gates regressions.")
 
 

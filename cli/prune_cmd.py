@@ -31,17 +31,25 @@ def run(source: Source, output: Output, method: Method = None, sparsity: Sparsit
         seed: Annotated[int, typer.Option("--seed")] = 0, damp: Damp = 0.01,
         device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = "cpu",
         dtype: DTypeOpt = DType.auto, eval_windows: EvalWindows = 4, force: Force = False, json: Json = False) -> None:
-    from llmopt.stages.calib import CalibConfig
     from llmopt.stages.model_io import parse_dtype
-    from llmopt.stages.prune.config import PruneConfig
     from llmopt.stages.prune.run import run_prune
-    
-    config = PruneConfig(method=method, sparsity=sparsity, pattern=pattern, structured=structured, ratio=ratio,
-                         drop=drop, ignore=tuple(ignore or ()), calib=CalibConfig(calib, nsamples, seqlen, seed),
-                         damp=damp, device=device, eval_windows=eval_windows)
-    config.validate()
+
+    config = build_config(locals())
     run_stage("prune", lambda hooks: run_prune(source, output, config, dtype=parse_dtype(dtype.value), force=force,
                                            hooks=hooks), json, render)
+
+
+def build_config(o: dict):
+    """The validated PruneConfig for `run`'s options (also what a recipe's prune stage takes)."""
+    from llmopt.stages.calib import CalibConfig
+    from llmopt.stages.prune.config import PruneConfig
+
+    config = PruneConfig(method=o["method"], sparsity=o["sparsity"], pattern=o["pattern"], structured=o["structured"],
+                         ratio=o["ratio"], drop=o["drop"], ignore=tuple(o["ignore"] or ()),
+                         calib=CalibConfig(o["calib"], o["nsamples"], o["seqlen"], o["seed"]), damp=o["damp"],
+                         device=o["device"], eval_windows=o["eval_windows"])
+    config.validate()
+    return config
 
 
 def render(art, metrics: dict) -> None:

@@ -29,17 +29,26 @@ def run(source: Source, output: Output, method: Method = "gptq", scheme: Scheme 
         dtype: DTypeOpt = DType.auto,
         eval_windows: Annotated[int, typer.Option("--eval-windows", min=0, help="Perplexity windows before/after (0: off).")] = 4,
         force: Force = False, json: Json = False) -> None:
-    from llmopt.stages.calib import CalibConfig
     from llmopt.stages.model_io import parse_dtype
-    from llmopt.stages.quantize.config import QuantizeConfig
     from llmopt.stages.quantize.run import run_quantize
-    
-    config = QuantizeConfig(method=method, scheme=scheme.upper(), group_size=group_size, symmetric=not asym,
-                            ignore=tuple(ignore or ()), calib=CalibConfig(calib, nsamples, seqlen, seed), damp=damp,
-                            act_order=act_order, sink_share=sink_share, smoothing_alpha=alpha, device=device, eval_windows=eval_windows)
-    config.validate()
+
+    config = build_config(locals())
     run_stage("quantize", lambda hooks: run_quantize(source, output, config, dtype=parse_dtype(dtype.value), force=force,
                                            hooks=hooks), json, render)
+
+
+def build_config(o: dict):
+    """The validated QuantizeConfig for `run`'s options (also what a recipe's quantize stage takes)."""
+    from llmopt.stages.calib import CalibConfig
+    from llmopt.stages.quantize.config import QuantizeConfig
+
+    config = QuantizeConfig(method=o["method"], scheme=o["scheme"].upper(), group_size=str(o["group_size"]),
+                            symmetric=not o["asym"], ignore=tuple(o["ignore"] or ()),
+                            calib=CalibConfig(o["calib"], o["nsamples"], o["seqlen"], o["seed"]), damp=o["damp"],
+                            act_order=o["act_order"], sink_share=o["sink_share"], smoothing_alpha=o["alpha"],
+                            device=o["device"], eval_windows=o["eval_windows"])
+    config.validate()
+    return config
 
 
 def render(art, metrics: dict) -> None:

@@ -5,7 +5,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .options import DType, DTypeOpt, Source
+from .options import DType, DTypeOpt, MasterAddr, MasterPort, NNodes, NodeRank, Source
 
 Opt = typer.Option
 
@@ -36,15 +36,20 @@ def run(source: Source,
         max_batch_size: Annotated[Optional[int], Opt("--max-batch-size", min=1)] = None,
         max_wait_ms: Annotated[float, Opt("--max-wait-ms", min=0.0)] = 0.0,
         device: Annotated[str, Opt("--device", help="cpu | cuda")] = "cpu",
-        dtype: DTypeOpt = DType.auto) -> None:
+        dtype: DTypeOpt = DType.auto, nnodes: NNodes = 1, node_rank: NodeRank = 0,
+        master_addr: MasterAddr = "127.0.0.1", master_port: MasterPort = None) -> None:
     from llmopt.stages.model_io import parse_dtype
     from llmopt.stages.serve.engine.build import build_engine
     from llmopt.stages.serve.engine.config import EngineConfig
     from llmopt.stages.serve.http.config import ServerConfig
     from llmopt.stages.serve.http.server import serve
+    from llmopt.stages.serve.tp.launch import TPOptions, run_worker_node
     from llmopt.stages.source import resolve
 
     resolve(source)  # a wrong path or alias fails now, before the port is bound
+    tp = TPOptions(nnodes, node_rank, master_addr, master_port)
+    if node_rank > 0:  # this machine only runs its ranks of a sharded artifact; node 0 serves
+        raise typer.Exit(run_worker_node(source, tp, device, parse_dtype(dtype.value)))
     engine_config = EngineConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                  max_batch_size=max_batch_size, max_wait_ms=max_wait_ms)
@@ -53,4 +58,4 @@ def run(source: Source,
                           max_queued_tokens=max_queued_tokens, max_body_bytes=max_body_bytes,
                           request_timeout_s=request_timeout, drain_timeout_s=drain_timeout, log_json=log_json)
     torch_dtype = parse_dtype(dtype.value)
-    serve(config, lambda: build_engine(source, engine_config, device, torch_dtype))
+    serve(config, lambda: build_engine(source, engine_config, device, torch_dtype, tp_options=tp))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -60,3 +61,27 @@ class RowParallelLinear(nn.Module):
         if world_size(self.group) > 1:
             dist.all_reduce(y, group=self.group)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def vocab_parallel_embedding(token_ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, group=None):
+    """Rows of a vocabulary-sharded embedding: each rank looks up the ids in its own range
+    [vocab_start, vocab_start + rows), zeros elsewhere; the all-reduce assembles every row."""
+    rows = weight.shape[0]
+    local = token_ids - vocab_start
+    mine = (local >= 0) & (local < rows)  # [T]
+    x = F.embedding(local.clamp(0, rows - 1), weight) * mine.unsqueeze(-1).to(weight.dtype)  # [T, H]
+    if world_size(group) > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def gather_vocab(logits: torch.Tensor, sizes: list[int], group=None) -> torch.Tensor:
+    """Full logits [R, sum(sizes)] from every rank's vocabulary slice [R, sizes[rank]] (all ranks get
+    them; slices of unequal width are padded for the collective and trimmed after)."""
+    if world_size(group) == 1:
+        return logits
+    width = max(sizes)
+    padded = F.pad(logits, (0, width - logits.shape[-1])).contiguous()
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)

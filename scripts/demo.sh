@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
-# `make demo`: the pipeline on the embedded SmolLM2-135M. Later stages extend it.
+# `make demo`: the built-in recipe smollm2-w4a16-gptq on the embedded SmolLM2-135M (quantize -> eval ->
+# profile -> bench, with a comparison table), then one chat completion through `llmopt serve`.
+# A second run skips every finished stage (a few seconds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LLMOPT=".venv/bin/llmopt"
 OUT="${DEMO_OUT:-out/demo}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-echo "== 1. import the embedded model (first run dequantizes the GGUF, ~30 s; later runs read the cache)"
-$LLMOPT import smollm2-135m -o "$OUT/smollm2-135m" --force
+echo "== 1. llmopt run recipes/smollm2-w4a16-gptq.yaml -o $OUT"
+$LLMOPT run recipes/smollm2-w4a16-gptq.yaml -o "$OUT"
 echo
-echo "== 2. inspect the artifact"
-$LLMOPT inspect "$OUT/smollm2-135m"
-echo
-echo "== 3. perplexity on 4 windows of WikiText-2 test (seqlen 2048)"
-$LLMOPT eval "$OUT/smollm2-135m" --text wikitext2 --seqlen 2048 --max-windows 4
+echo "== 2. a chat completion through llmopt serve on the W4A16 model ($OUT/quantize)"
+.venv/bin/python scripts/demo_chat.py "$OUT/quantize"

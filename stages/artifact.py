@@ -82,7 +82,18 @@ class Artifact:
 
     @property
     def weight_files(self) -> list[str]:
-        return sorted(n for n in self.manifest["files"] if n.endswith(".safetensors"))
+        """The model's safetensors files (a sharded artifact keeps its ranks' files in rank-NN/ folders)."""
+        return sorted(n for n in self.manifest["files"] if n.endswith(".safetensors") and "/" not in n)
+
+    @property
+    def tensor_parallel(self) -> dict | None:
+        """The split plan of a sharded artifact (`llmopt shard`), None for a whole model."""
+        return self.manifest.get("model", {}).get("tensor_parallel")
+
+    def rank_files(self, rank: int) -> list[str]:
+        """Rank `rank`'s safetensors files, relative to the artifact directory."""
+        prefix = f"{rank_dir(rank)}/"
+        return sorted(n for n in self.manifest["files"] if n.startswith(prefix) and n.endswith(".safetensors"))
 
     def verify(self) -> None:
         """Check every listed file's size and sha256; the error names the first bad file."""
@@ -104,6 +115,11 @@ class Artifact:
     def lineage_entry(self) -> dict:
         return {"stage": self.stage, "path": str(self.path.resolve()), "content_hash": self.content_hash,
                 "config": self.manifest["config"], "created_at": self.manifest.get("created_at")}
+
+
+def rank_dir(rank: int) -> str:
+    """The folder of one rank's weights inside a sharded artifact."""
+    return f"rank-{rank:02d}"
 
 
 def _read_manifest(path: Path) -> dict:
@@ -161,8 +177,8 @@ class ArtifactWriter:
                model: dict | None = None, metrics: dict | None = None) -> Artifact:
         from .safetensors_io import fsync_tree
 
-        files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-                 for p in sorted(self.tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
+        files = {p.relative_to(self.tmp).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+                 for p in sorted(self.tmp.rglob("*")) if p.is_file() and p != self.tmp / MANIFEST}
         chash = content_hash(files)
         entry = {"stage": stage, "path": str(self.dest.resolve()), "content_hash": chash,
                  "config": config, "created_at": now_iso()}

@@ -120,6 +120,11 @@ def as_artifact(source: Source, progress=None) -> Artifact | None:
     return import_source(source, cached, force=True, progress=progress, use_cache=False)
 
 
+def _parent(art: Artifact) -> str:
+    parent = art.manifest.get("parent") or {}
+    return parent.get("path") or "the artifact it was sharded from"
+
+
 @dataclass
 class Loaded:
     model: object
@@ -134,6 +139,9 @@ def load(ref: str, dtype=None, progress=None) -> Loaded:
 
     source = resolve(ref)
     art = as_artifact(source, progress)
+    if art is not None and art.tensor_parallel:
+        raise SourceError(f"{ref} is sharded for tensor parallelism (tp={art.tensor_parallel['tp']}): serve or "
+                          f"generate it; give its parent artifact ({_parent(art)}) to this command instead")
     directory = art.path if art else source.path
     files = art.weight_files if art else None
     model = load_model_dir(directory, dtype=dtype, files=files)

@@ -27,11 +27,12 @@ def make_tokenizer(vocab_size: int = 300):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
-def make_model(vocab_size: int, seed: int = 0, tie: bool = True, layers: int = 2, hidden: int = 32):
+def make_model(vocab_size: int, seed: int = 0, tie: bool = True, layers: int = 2, hidden: int = 32, heads: int = 4,
+               kv_heads: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
                          tie_word_embeddings=tie, eos_token_id=0, bos_token_id=0, pad_token_id=0)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
@@ -42,10 +43,11 @@ def make_model(vocab_size: int, seed: int = 0, tie: bool = True, layers: int = 2
     return model
 
 
-def write_hf_dir(path: Path, seed: int = 0, tie: bool = True, layers: int = 2, hidden: int = 32):
+def write_hf_dir(path: Path, seed: int = 0, tie: bool = True, layers: int = 2, hidden: int = 32, heads: int = 4,
+                 kv_heads: int = 2):
     """A plain HF model directory (config, tokenizer, safetensors), as `save_pretrained` writes it."""
     tok = make_tokenizer()
-    model = make_model(len(tok), seed=seed, tie=tie, layers=layers, hidden=hidden)
+    model = make_model(len(tok), seed=seed, tie=tie, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return model, tok

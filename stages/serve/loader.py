@@ -37,8 +37,23 @@ def locate(ref: str) -> tuple[Path, list[str]]:
     source = resolve(str(ref))
     art = as_artifact(source)
     if art is not None:
+        if art.tensor_parallel:
+            raise ConfigError(f"{ref} is sharded for tensor parallelism (tp={art.tensor_parallel['tp']}); "
+                              f"build an engine for it (llmopt serve / generate) to start its ranks")
         return art.path, art.weight_files
     return source.path, weight_files(source.path)
+
+
+def sharded_artifact(ref):
+    """The artifact behind `ref` if it is sharded for tensor parallelism (`llmopt shard`), else None."""
+    from ..artifact import Artifact
+    from ..source import resolve
+
+    source = resolve(str(ref))
+    if source.kind != "artifact":
+        return None
+    art = Artifact.open(source.path)
+    return art if art.tensor_parallel else None
 
 
 def load_runtime(ref, device="cpu", dtype=None, linear_backend: str | None = None):

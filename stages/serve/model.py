@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmopt.kernels import rms_norm, silu_and_mul
+from llmopt.kernels.parallel import gather_vocab, vocab_parallel_embedding
 
 from ..errors import ConfigError
 
@@ -229,6 +230,7 @@ class Runtime(nn.Module):
         self.register_buffer("norm", torch.empty(spec.hidden_size, dtype=dtype))
         self.lm_head = DenseLinear(spec.hidden_size, spec.vocab_size, dtype=dtype)
         self.register_buffer("cos_sin_cache", None, persistent=False)  # [max_positions, head_dim] fp32
+        self.tp: TensorParallel | None = None  # set on the ranks of a sharded model (serve/tp)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -238,9 +240,19 @@ class Runtime(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.device
 
+    @property
+    def vocab_size(self) -> int:
+        """The whole vocabulary (a tensor-parallel rank holds only a slice of it)."""
+        return self.tp.vocab_size if self.tp is not None else self.spec.vocab_size
+
+    def embed(self, token_ids):
+        if self.tp is None:
+            return F.embedding(token_ids, self.embed_tokens)
+        return vocab_parallel_embedding(token_ids, self.embed_tokens, self.tp.vocab_start, self.tp.group)
+
     def forward(self, token_ids, attn, kv_caches):
         """token_ids [T] -> (hidden, residual) [T, H] before the final norm."""
-        x, residual = F.embedding(token_ids, self.embed_tokens), None  # [T, H]
+        x, residual = self.embed(token_ids), None  # [T, H]
         for layer, kv_cache in zip(self.layers, kv_caches):  # kv_cache [num_blocks, block_size, 2, Hk, D]
             x, residual = layer(x, residual, attn, kv_cache)
         return x, residual
@@ -249,4 +261,19 @@ class Runtime(nn.Module):
         """fp32 logits [R, vocab] of the rows `indices` only (final norm and lm_head skip the rest)."""
         h, _ = apply_norm(x.index_select(0, indices), self.norm, self.spec.rms_norm_eps,
                           residual.index_select(0, indices), op_backend)
-        return self.lm_head(h).float()
+        logits = self.lm_head(h).float()  # [R, vocab (this rank's slice under tensor parallelism)]
+        return logits if self.tp is None else gather_vocab(logits, self.tp.vocab_sizes, self.tp.group)
+
+
+@dataclass
+class TensorParallel:
+    """What a rank's runtime needs to know of its group: the collectives' group and its vocab slice."""
+
+    group: object
+    rank: int
+    vocab_start: int
+    vocab_sizes: list[int]
+
+    @property
+    def vocab_size(self) -> int:
+        return sum(self.vocab_sizes)

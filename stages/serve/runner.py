@@ -104,7 +104,7 @@ class ModelRunner:
 
     @property
     def vocab_size(self) -> int:
-        return self.runtime.spec.vocab_size
+        return self.runtime.vocab_size
 
     @property
     def max_model_len(self) -> int:

@@ -1,5 +1,9 @@
-"""Build an LLMEngine for a model source: load the runtime, size the KV cache, wire the tokenizer."""
+"""Build an LLMEngine for a model source: load the runtime, size the KV cache, wire the tokenizer.
+A sharded artifact (`llmopt shard`) starts its tensor-parallel ranks (serve/tp) and runs rank 0 here."""
 from __future__ import annotations
+
+import atexit
+import dataclasses
 
 from .config import EngineConfig
 from .engine import LLMEngine
@@ -8,23 +12,55 @@ DEFAULT_KV_CACHE_MEMORY = {"cpu": "2GiB", "cuda": "0.8"}  # when neither num_blo
 
 
 def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None,
-                 linear_backend: str | None = None) -> LLMEngine:
+                 linear_backend: str | None = None, tp_options=None) -> LLMEngine:
     """An engine serving `ref` (alias, GGUF, HF directory or artifact) on `device`."""
+    from ..loader import load_runtime, sharded_artifact
+    from ..runner import ModelRunner
+
+    sharded = sharded_artifact(ref)
+    if sharded is not None:
+        return _build_tp_engine(sharded, config, device, dtype, linear_backend, tp_options)
+    runtime, tokenizer, model_config = load_runtime(ref, device, dtype, linear_backend)
+    runner = ModelRunner(runtime, _num_blocks(config, runtime.spec, runtime), config.block_size)
+    return LLMEngine(runner, tokenizer, config, eos_token_ids=eos_token_ids(model_config, tokenizer))
+
+
+def _num_blocks(config: EngineConfig, spec, runtime) -> int:
     import torch
 
-    from ..loader import load_runtime
-    from ..runner import ModelRunner, num_kv_blocks
+    from ..runner import num_kv_blocks
 
-    runtime, tokenizer, model_config = load_runtime(ref, device, dtype, linear_backend)
-    num_blocks = config.num_blocks
-    if num_blocks is None:
-        memory = config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY.get(torch.device(device).type, "2GiB")
-        fits = num_kv_blocks(runtime.spec, memory, config.block_size, runtime.dtype, runtime.device)
-        # More than every running sequence at its longest can ever use is memory for nothing.
-        longest = -(-(config.max_model_len or runtime.spec.max_positions) // config.block_size)
-        num_blocks = min(fits, config.seqs_per_step * longest)
-    runner = ModelRunner(runtime, num_blocks, config.block_size)
-    return LLMEngine(runner, tokenizer, config, eos_token_ids=eos_token_ids(model_config, tokenizer))
+    if config.num_blocks is not None:
+        return config.num_blocks
+    memory = config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY.get(torch.device(runtime.device).type, "2GiB")
+    fits = num_kv_blocks(spec, memory, config.block_size, runtime.dtype, runtime.device)
+    # More than every running sequence at its longest can ever use is memory for nothing.
+    longest = -(-(config.max_model_len or runtime.spec.max_positions) // config.block_size)
+    return min(fits, config.seqs_per_step * longest)
+
+
+def _build_tp_engine(art, config: EngineConfig, device, dtype, linear_backend, tp_options) -> LLMEngine:
+    """Rank 0 of a sharded artifact: start the group, load this rank's shard, size the cache for the
+    rank holding the most KV heads (every rank allocates the same number of blocks)."""
+    from ...model_io import load_tokenizer
+    from ..loader import read_config
+    from ..tp.launch import RankGroup, TPOptions
+    from ..tp.runner import TPModelRunner
+    from ..tp.runtime import load_rank_runtime, max_local_kv_heads
+
+    plan = art.tensor_parallel
+    group = RankGroup(art.path, plan["tp"], tp_options or TPOptions(), device, dtype).start()
+    atexit.register(group.close)
+    try:
+        runtime = load_rank_runtime(art, 0, None, device, dtype, linear_backend)
+        widest = dataclasses.replace(runtime.spec, num_kv_heads=max_local_kv_heads(plan))
+        runner = TPModelRunner(runtime, _num_blocks(config, widest, runtime), config.block_size, group)
+    except BaseException:
+        group.close()
+        raise
+    group.runner = runner
+    tokenizer = load_tokenizer(art.path)
+    return LLMEngine(runner, tokenizer, config, eos_token_ids=eos_token_ids(read_config(art.path), tokenizer))
 
 
 def eos_token_ids(model_config: dict, tokenizer) -> list[int]:

@@ -69,6 +69,7 @@ def _load_in_background(state: ServerState, loader, on_load_error) -> None:
             if state.draining:
                 return
             state.attach(engine)
+            _watch_ranks(engine, state, loop, on_load_error)
             log.info("model loaded; serving")
             return
         state.load_error = error
@@ -88,6 +89,27 @@ def _load_in_background(state: ServerState, loader, on_load_error) -> None:
 
     state.loader = threading.Thread(target=work, name="llmopt-load", daemon=True)
     state.loader.start()
+
+
+def _watch_ranks(engine, state: ServerState, loop, on_fatal) -> None:
+    """A tensor-parallel engine whose rank dies: /health turns 503 at once and the server stops
+    (through the same path as a failed load, so it exits non-zero with the rank's message)."""
+    watch = getattr(engine.runner, "watch", None)
+    if watch is None:
+        return
+
+    def fatal(error: BaseException) -> None:
+        state.fatal = error
+        if on_fatal is not None:
+            on_fatal(error)
+
+    def from_monitor(error: BaseException) -> None:
+        try:
+            loop.call_soon_threadsafe(fatal, error)
+        except RuntimeError:  # the server has already stopped
+            pass
+
+    watch(from_monitor)
 
 
 def _openapi(app: FastAPI) -> dict:

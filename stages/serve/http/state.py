@@ -23,6 +23,7 @@ class ServerState:
         self.max_model_len: int | None = None
         self.load_error: BaseException | None = None
         self.draining = False
+        self.fatal: BaseException | None = None  # a tensor-parallel rank died: the server is stopping
         self.loader = None  # the thread loading the model, when the app loads it
 
     def attach(self, llm_engine) -> None:
@@ -36,7 +37,7 @@ class ServerState:
 
     @property
     def healthy(self) -> bool:
-        return self.engine is not None and self.engine.is_healthy and not self.draining
+        return self.engine is not None and self.engine.is_healthy and not self.draining and self.fatal is None
 
     def ready_engine(self) -> AsyncEngine:
         """The running engine, or 503: still loading, failed to load, or dead."""
@@ -45,6 +46,8 @@ class ServerState:
                 raise APIError(503, f"the model failed to load: {self.load_error}", code="load_failed")
             raise APIError(503, "the model is still loading; retry shortly", code="loading",
                            headers={"Retry-After": str(self.config.retry_after_s)})
+        if self.fatal is not None:
+            raise engine_dead(self.fatal)
         if not self.engine.is_healthy:
             raise engine_dead(self.engine.error or RuntimeError("shut down"))
         return self.engine
@@ -55,7 +58,7 @@ class ServerState:
     def shutdown(self) -> None:
         """Stop the engine after its current step (again harmless)."""
         if self.engine is not None:
-            self.engine.shutdown()
+            self.engine.shutdown(timeout=2.0 if self.fatal is not None else 30.0)
 
     def finish(self) -> None:
         """After the server has stopped: let a load still under way end (a process that exits under a

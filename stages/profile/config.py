@@ -1,0 +1,97 @@
+"""ProfileConfig: what `llmopt profile` measures, how long, and what the capacity planner assumes."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from ..errors import ConfigError
+
+DEVICES = ("cpu", "cuda")
+# --quick: about a minute for two sources on a 2-core CPU (the full sweep takes several).
+QUICK = dict(prompt_lens=(128, 512), batch_sizes=(1, 4, 16), context_lens=(128, 1024), decode_context=256,
+             repeats=2, decode_steps=6, profile_steps=3, copy_mib=128)
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """One profiling run; every source gets the same sweep so their numbers compare."""
+
+    prompt_lens: tuple[int, ...] = (128, 256, 512, 1024, 2048)  # prefill: one sequence of each length
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # decode: batch sweep at `decode_context`
+    context_lens: tuple[int, ...] = (128, 512, 1024, 2048)  # decode: context sweep at batch 1
+    decode_context: int = 512  # tokens already in the cache of every sequence in the batch sweep
+    repeats: int = 3  # prefill timings per length (median)
+    decode_steps: int = 16  # decode steps timed per point (median)
+    profile_steps: int = 5  # steps under torch.profiler, and under forward hooks (decode: at least decode_steps)
+    block_size: int = 16
+    copy_mib: int = 256  # copy-benchmark buffer: far larger than the last-level cache
+    device: str = "cpu"
+    dtype: str | None = None  # None keeps the checkpoint's dtype; fp32 | bf16 | fp16
+    threads: int | None = None  # torch threads; None keeps torch's default
+    memory_budget: str | None = None  # planner: bytes ("8GiB") or a fraction of free memory; None: 0.9
+    plan_context: int = 2048  # planner: tokens each sequence may hold (prompt + output)
+    target_tpot_ms: float | None = None  # planner: latency target for the --max-num-seqs advice
+    top_ops: int = 12
+
+    @classmethod
+    def quick(cls, **overrides) -> "ProfileConfig":
+        """The short sweep (`--quick`); explicit options still win."""
+        return cls(**{**QUICK, **{k: v for k, v in overrides.items() if v is not None}})
+
+    def with_options(self, **overrides) -> "ProfileConfig":
+        """A copy with the options that were given (None means: keep)."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    def validate(self) -> None:
+        for name in ("prompt_lens", "batch_sizes", "context_lens"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise ConfigError(f"--{name.replace('_', '-')}: give positive whole numbers (got {values})")
+        if 1 not in self.batch_sizes:
+            raise ConfigError("--batch-sizes must include 1: the decode roofline is measured at batch 1")
+        positive = dict(decode_context=self.decode_context, repeats=self.repeats, decode_steps=self.decode_steps,
+                        profile_steps=self.profile_steps, block_size=self.block_size, copy_mib=self.copy_mib,
+                        plan_context=self.plan_context, top_ops=self.top_ops)
+        for name, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ConfigError(f"--device must be cpu or cuda (got {self.device})")
+        if self.dtype not in (None, "auto", "fp32", "bf16", "fp16"):
+            raise ConfigError(f"--dtype must be auto, fp32, bf16 or fp16 (got {self.dtype})")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be at least 1 (got {self.threads})")
+        if self.target_tpot_ms is not None and not self.target_tpot_ms > 0:
+            raise ConfigError(f"--target-tpot-ms must be positive (got {self.target_tpot_ms})")
+        if self.memory_budget is not None:
+            from ..serve.runner import parse_kv_cache_memory
+
+            try:
+                parse_kv_cache_memory(self.memory_budget)
+            except ConfigError:
+                raise ConfigError(f"--memory-budget {self.memory_budget!r}: give bytes (8GiB, 512MB) "
+                                  "or a fraction of free memory like 0.9") from None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ProfileConfig":
+        """The inverse of to_dict (lists back to tuples); unknown keys are rejected."""
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"unknown profile option(s): {', '.join(sorted(unknown))}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+def parse_int_list(text: str | None, option: str) -> tuple[int, ...] | None:
+    """'128,512 2048' -> (128, 512, 2048); None stays None; ConfigError names the option otherwise."""
+    if text is None:
+        return None
+    parts = text.replace(",", " ").split()
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise ConfigError(f"{option} {text!r}: give positive whole numbers separated by commas, e.g. 1,4,16")
+    return values

@@ -1,0 +1,105 @@
+"""The machine's own limits, measured in the same run as the model: memory bandwidth (a copy
+benchmark, the decode roofline's ceiling) and dense matmul throughput (the prefill ceiling)."""
+from __future__ import annotations
+
+import platform
+import time
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so wall-clock timings cover it (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device) -> float:
+    """Seconds one call of `fn` takes, device work included."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def copy_bandwidth(device: torch.device, mib: int = 256, repeats: int = 7) -> dict:
+    """Bytes per second of `dst.copy_(src)` over a buffer far larger than the caches.
+
+    STREAM convention: a copy of N bytes moves 2N (N read + N written). The fastest of `repeats`
+    copies after one warm-up copy (which also faults the pages in): a ceiling, so the best the
+    machine did, which other processes on a shared machine can only lower.
+    """
+    n = mib << 20
+    src = torch.ones(n // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = min(timed(lambda: dst.copy_(src), device) for _ in range(repeats))
+    moved = 2 * src.numel() * src.element_size()
+    return {"buffer_bytes": n, "bytes_moved_per_copy": moved, "seconds_best": seconds,
+            "bytes_per_s": moved / seconds, "repeats": repeats,
+            "convention": "STREAM copy: bytes read + bytes written per second"}
+
+
+def gemm_throughput(device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 7) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` (the fastest of `repeats` after a warm-up: a ceiling)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.mm(a, b)
+    seconds = min(timed(lambda: torch.mm(a, b), device) for _ in range(repeats))
+    return 2 * n ** 3 / seconds
+
+
+def describe(device: torch.device) -> dict:
+    """What the numbers were measured on."""
+    info = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def measure_machine(device: torch.device, copy_mib: int) -> dict:
+    """Machine description, copy bandwidth, and fp32/bf16 GEMM FLOP/s."""
+    n = 4096 if device.type == "cuda" else 1024  # a GPU needs a larger matmul to approach its peak
+    gemm = {name: gemm_throughput(device, dtype, n) for name, dtype in (("fp32", torch.float32),
+                                                                         ("bf16", torch.bfloat16))}
+    return {**describe(device), "copy": copy_bandwidth(device, copy_mib), "gemm_flops_per_s": gemm, "gemm_size": n}
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def resident_bytes(device: torch.device) -> int | None:
+    """Memory the process holds now: CUDA allocated bytes, or the resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return _proc_status_bytes("VmRSS")
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a new peak window (CUDA stats, or Linux's VmHWM via clear_refs); False if not possible."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_memory(device: torch.device) -> int | None:
+    """Peak bytes since the last reset: CUDA max allocated, or the peak resident set (VmHWM)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return _proc_status_bytes("VmHWM")

@@ -1,0 +1,43 @@
+"""Rank 0 -> workers: each step's batch as two broadcasts (a fixed header, then one int64 payload)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..batch import StepInput
+
+STOP, STEP, NOOP, INIT = 0, 1, 2, 3
+HEADER = 8  # [command, T, B, max_blocks, R, max_query_len, arg0, arg1]
+
+
+def _broadcast(t: torch.Tensor, device) -> torch.Tensor:
+    t = t.to(device)
+    dist.broadcast(t, src=0)
+    return t.cpu()
+
+
+def send_command(command: int, device, arg0: int = 0, arg1: int = 0) -> None:
+    _broadcast(torch.tensor([command, 0, 0, 0, 0, 0, arg0, arg1], dtype=torch.int64), device)
+
+
+def send_step(step: StepInput, device) -> None:
+    t, b = step.token_ids.shape[0], step.context_lens.shape[0]
+    m, r = step.block_tables.shape[1], step.logits_indices.shape[0]
+    _broadcast(torch.tensor([STEP, t, b, m, r, step.max_query_len, 0, 0], dtype=torch.int64), device)
+    parts = [step.token_ids, step.positions, step.cu_seqlens_q, step.context_lens, step.block_tables.flatten(),
+             step.slot_mapping, step.logits_indices]
+    _broadcast(torch.cat([p.cpu().long() for p in parts]), device)
+
+
+def receive(device) -> tuple[int, StepInput | tuple[int, int] | None]:
+    """(command, its StepInput for STEP, (arg0, arg1) for INIT, else None) from rank 0."""
+    header = _broadcast(torch.empty(HEADER, dtype=torch.int64), device).tolist()
+    command, t, b, m, r, max_q, arg0, arg1 = header
+    if command == INIT:
+        return command, (arg0, arg1)
+    if command != STEP:
+        return command, None
+    sizes = [t, t, b + 1, b, b * m, t, r]
+    payload = _broadcast(torch.empty(sum(sizes), dtype=torch.int64), device)
+    tok, pos, cu, ctx, tables, slots, idx = payload.split(sizes)
+    return command, StepInput(tok, pos, cu.int(), ctx.int(), tables.int().view(b, m), slots, max_q, idx)

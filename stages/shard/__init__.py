@@ -1,0 +1,1 @@
+"""`llmopt shard`: split an artifact for tensor-parallel serving (plan, slicing, the stage)."""

@@ -1,0 +1,136 @@
+"""`llmopt shard SOURCE --tp N -o OUT`: one folder of weights per rank plus the split plan.
+
+Reads the source's safetensors memory-mapped and writes each rank's slices layer by layer, so peak
+memory stays near one layer per rank beyond the page cache. Quantized artifacts are split on their
+codes (see split.py); a split that would cut a quantization group is refused before anything is written.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from pathlib import Path
+
+from ..artifact import Artifact, ArtifactWriter, check_destination, rank_dir
+from ..compressed import LinearScheme, parse_schemes
+from ..errors import ArtifactError, ConfigError
+from ..safetensors_io import ShardWriter, load_dir, weight_files
+from ..source import as_artifact, resolve, source_record
+from ..progress import StageHooks
+from .config import ShardConfig
+from .plan import check_row_groups, make_plan, mlp_unit_for, row_split_points
+from .split import RankSlicer
+
+SERVED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
+PART_BYTES = 1 << 30  # a rank's weights go to files of about this size
+
+
+def run_shard(source_ref: str, dest: Path, config: ShardConfig, force: bool = False,
+              hooks: StageHooks | None = None) -> Artifact:
+    """Split `source_ref` for `config.tp` ranks into a sharded artifact at `dest`."""
+    hooks = hooks or StageHooks()
+    config.validate()
+    dest = Path(dest)
+    check_destination(dest, force)
+    hooks.status(f"reading {source_ref}")
+    source = resolve(str(source_ref))
+    parent = as_artifact(source)
+    directory = parent.path if parent else source.path
+    if parent is not None and parent.tensor_parallel:
+        raise ConfigError(f"{source_ref} is already sharded (tp={parent.tensor_parallel['tp']}); shard its parent")
+    model_config = _read_config(directory)
+    state = load_dir(directory, parent.weight_files if parent else weight_files(directory))
+    schemes = _schemes(model_config, state)
+    plan = _plan(model_config, schemes, config.tp)
+    start = time.perf_counter()
+    with ArtifactWriter(dest, force=force) as w:
+        _copy_model_files(directory, w.tmp)
+        rank_bytes = [_write_rank(w.tmp, state, schemes, plan, r, model_config, hooks) for r in range(config.tp)]
+        total = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+        model = dict(parent.manifest.get("model", {})) if parent else {}
+        model["tensor_parallel"] = plan
+        metrics = {"rank_bytes": rank_bytes, "source_bytes": total, "size_bytes": sum(rank_bytes),
+                   "rank_share": [round(b / total, 4) for b in rank_bytes] if total else None,
+                   "shard_seconds": round(time.perf_counter() - start, 1)}
+        for key in ("perplexity", "num_parameters"):  # the model is unchanged: its quality carries over
+            if parent and key in parent.manifest.get("metrics", {}):
+                metrics[key] = parent.manifest["metrics"][key]
+        record = parent.manifest["source"] if parent else source_record(source)
+        return w.commit("shard", config.to_dict(), parent, record, model=model, metrics=metrics)
+
+
+def _read_config(directory: Path) -> dict:
+    import json
+
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{directory}/config.json cannot be read ({e})") from None
+    arch = (config.get("architectures") or ["?"])[0]
+    if arch not in SERVED:
+        raise ConfigError(f"shard: architecture {arch} cannot be split; supported: {', '.join(SERVED)}")
+    if (config.get("quantization_config") or {}).get("quant_method") == "bitsandbytes":
+        raise ConfigError("shard: bitsandbytes artifacts cannot be split; quantize with rtn/gptq/awq/smoothquant")
+    return config
+
+
+def _schemes(config: dict, state: dict) -> dict[str, LinearScheme]:
+    qconfig = config.get("quantization_config")
+    if not qconfig:
+        return {}
+    names = sorted({k.rsplit(".", 1)[0] for k in state if k.endswith((".weight", ".weight_packed"))})
+    return parse_schemes(qconfig, names)
+
+
+def _plan(config: dict, schemes: dict[str, LinearScheme], tp: int) -> dict:
+    """The split plan, refused when a row-parallel cut would split a quantization group or an int32 pack."""
+    down = [s for n, s in schemes.items() if n.endswith("mlp.down_proj")]
+    plan = make_plan(config, tp, mlp_unit_for([_cut_unit(s, int(config["intermediate_size"])) for s in down]))
+    for name, scheme in sorted(schemes.items()):
+        kind = name.rsplit(".", 1)[-1]
+        if kind in ("o_proj", "down_proj"):
+            width = plan["num_heads"] * plan["head_dim"] if kind == "o_proj" else plan["intermediate_size"]
+            check_row_groups(name, width, _cut_unit(scheme, width), row_split_points(plan, kind), tp)
+    return plan
+
+
+def _cut_unit(scheme: LinearScheme, in_features: int) -> int:
+    """Input columns a row-parallel cut must keep together: the group, and the int32 pack of codes."""
+    group = in_features if scheme.group_size == -1 else scheme.group_size
+    pack = 1 if scheme.activations else 32 // scheme.bits
+    if scheme.group_size == -1:
+        return pack
+    return group * pack // math.gcd(group, pack)
+
+
+def _copy_model_files(src: Path, dst: Path) -> None:
+    """config.json, tokenizer and generation config, as they are (every rank reads the same ones)."""
+    for p in sorted(src.iterdir()):
+        if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES) and p.name != "llmopt.json":
+            shutil.copy2(p, dst / p.name)
+
+
+def _write_rank(root: Path, state: dict, schemes: dict, plan: dict, rank: int, config: dict, hooks) -> int:
+    folder = root / rank_dir(rank)
+    folder.mkdir()
+    slicer = RankSlicer(state, schemes, plan, rank)
+    writer, pending = ShardWriter(folder), {}
+
+    def add(tensors: dict, flush: bool = False) -> None:  # files of up to PART_BYTES, not one per layer
+        pending.update(tensors)
+        if flush or sum(t.numel() * t.element_size() for t in pending.values()) >= PART_BYTES:
+            writer.add(dict(pending))
+            pending.clear()
+
+    add(slicer.vocab("model.embed_tokens"))
+    for i in range(int(config["num_hidden_layers"])):
+        add(slicer.layer(f"model.layers.{i}"))
+    tail = {"model.norm.weight": state["model.norm.weight"]}
+    if not config.get("tie_word_embeddings") and any(k.startswith("lm_head.") for k in state):
+        tail.update(slicer.vocab("lm_head"))
+    add(tail, flush=True)
+    writer.close()
+    nbytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    hooks.status(f"rank {rank}: {nbytes / 2**20:.1f} MiB")
+    return nbytes

@@ -1,0 +1,83 @@
+"""One rank's tensors under a split plan: slices of the checkpoint, dense or compressed-tensors.
+
+Quantized Linears are split on their integer codes, never re-quantized: column-parallel layers take
+whole output rows (codes, scales and zero points of those rows); row-parallel layers take input
+columns on group boundaries (their scale and zero-point columns go with them), and per-channel
+scales, which belong to output rows, are kept whole on every rank.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..compressed import LinearScheme, compress_linear, decompress_linear
+
+ATTN_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def head_rows(heads: list[int], head_dim: int) -> torch.Tensor:
+    """Row indices of the given heads in a [heads * head_dim, ...] projection."""
+    return torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in heads])
+
+
+class RankSlicer:
+    """Cuts the tensors of `state` (HF names) for one rank of `plan`."""
+
+    def __init__(self, state: dict, schemes: dict[str, LinearScheme], plan: dict, rank: int):
+        self.state, self.schemes, self.plan = state, schemes, plan
+        self.rank = plan["ranks"][rank]
+        d = plan["head_dim"]
+        self.rows = {"q_proj": head_rows(self.rank["q_heads"], d),
+                     "k_proj": head_rows(self.rank["kv_heads"], d), "v_proj": head_rows(self.rank["kv_heads"], d)}
+        m0, m1 = self.rank["mlp"]
+        self.mlp = torch.arange(m0, m1)
+        self.o_cols = head_rows(self.rank["q_heads"], d)
+
+    def layer(self, prefix: str) -> dict:
+        """Every tensor of decoder layer `prefix` (model.layers.i) for this rank."""
+        out = {}
+        for p in ATTN_QKV:
+            out.update(self.linear(f"{prefix}.self_attn.{p}", rows=self.rows[p]))
+        out.update(self.linear(f"{prefix}.self_attn.o_proj", cols=self.o_cols))
+        for p in ("gate_proj", "up_proj"):
+            out.update(self.linear(f"{prefix}.mlp.{p}", rows=self.mlp))
+        out.update(self.linear(f"{prefix}.mlp.down_proj", cols=self.mlp))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{prefix}.{norm}.weight"] = self.state[f"{prefix}.{norm}.weight"]
+        return out
+
+    def vocab(self, name: str) -> dict:
+        """The embedding or an lm_head: this rank's vocabulary rows."""
+        v0, v1 = self.rank["vocab"]
+        if f"{name}.weight" in self.state and name not in self.schemes:
+            return {f"{name}.weight": self.state[f"{name}.weight"][v0:v1]}
+        return self.linear(name, rows=torch.arange(v0, v1))
+
+    def linear(self, name: str, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None) -> dict:
+        """One Linear's entries, cut to `rows` (column-parallel) or input `cols` (row-parallel)."""
+        scheme = self.schemes.get(name)
+        out = {}
+        bias = self.state.get(f"{name}.bias")
+        if bias is not None:  # row-parallel: every rank holds it, the runtime adds it after the reduction
+            out[f"{name}.bias"] = bias if rows is None else bias[rows]
+        if scheme is None:
+            w = self.state[f"{name}.weight"]
+            out[f"{name}.weight"] = w[rows] if rows is not None else w[:, cols]
+            return out
+        q, scale, zero = decompress_linear(self.state, name, scheme)
+        if rows is not None:
+            q, scale, zero = q[rows], scale[rows], None if zero is None else zero[rows]
+        else:
+            q, scale, zero = _cut_columns(q, scale, zero, cols)
+        out.update(compress_linear(name, q, scale, zero, scheme, dtype=scale.dtype))
+        return out
+
+
+def _cut_columns(q, scale, zero, cols: torch.Tensor):
+    """Input columns `cols` (a contiguous range on group boundaries) of codes and their groups."""
+    in_features, groups = q.shape[1], scale.shape[1]
+    q = q[:, cols]
+    if groups == 1:  # per channel: the scale belongs to the whole output row
+        return q, scale, zero
+    g = in_features // groups
+    gcols = torch.arange(int(cols[0]) // g, (int(cols[-1]) + 1) // g)
+    return q, scale[:, gcols], None if zero is None else zero[:, gcols]
