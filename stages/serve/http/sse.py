@@ -39,7 +39,7 @@ async def _frames(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
     except APIError as e:
         yield frame(error_body(e.status_code, e.message, e.type, e.param, e.code))
     except EngineDeadError as e:
-        yield frame(error_body(503, f"the engine stopped: {e}", code="engine_dead"))
+        yield frame(error_body(503, str(e), code="engine_dead"))  # the message says the engine stopped
     except LlmoptError as e:
         yield frame(error_body(400, str(e)))
     except Exception as e:  # a bug: the client still gets a well-formed end of stream
