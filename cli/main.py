@@ -16,6 +16,7 @@ app = typer.Typer(
     name="llmopt", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     help="Compress-then-serve toolchain for causal language models.",
 )
+app.command("run", help="Run a recipe (YAML pipeline): stages in order, finished ones skipped, one comparison table.")(run_cmd.run)
 app.command("import", help="Write a base artifact from any model source.")(import_cmd.run)
 app.command("inspect", help="Show an artifact's manifest, lineage, sizes and metrics.")(inspect_cmd.run)
 app.command("quantize", help="Quantize (RTN, GPTQ, AWQ, SmoothQuant, bitsandbytes) into a compressed-tensors artifact.")(quantize_cmd.run)
@@ -25,7 +26,6 @@ app.command("eval", help="Perplexity (and KL vs a reference) on a text, GPTQ-sty
 app.command("generate", help="Offline generation through the serve engine (one prompt, or a resumable JSONL batch).")(generate_cmd.run)
 app.command("profile", help="Where time and memory go on the serve engine: roofline, per-layer/op, capacity plan, HTML.")(profile_cmd.run)
 app.command("serve", help="OpenAI-compatible HTTP server: streaming, metrics, health, backpressure, auth.")(serve_cmd.run)
-app.command("run", help="Run a recipe (YAML pipeline): stages in order, finished ones skipped, one comparison table.")(run_cmd.run)
 app.add_typer(bench_cmd.app, name="bench", help="Load-test an OpenAI-compatible server; `bench compare` gates regressions.")
 
 
