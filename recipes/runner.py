@@ -45,17 +45,18 @@ class Outcome:
     outputs: list[str] = field(default_factory=list)
 
 
-class View:
-    """What the runner tells the person watching; the CLI renders it. The default says nothing."""
+def _silent(*args) -> None:
+    return None
 
-    def stage_start(self, index: int, total: int, spec: StageSpec, refs: list[str]) -> None: ...
-    def stage_skip(self, index: int, total: int, spec: StageSpec, why: str) -> None: ...
-    def stage_done(self, spec: StageSpec, seconds: float) -> None: ...
-    def note(self, message: str) -> None: ...
-    def artifact(self, spec: StageSpec, art: Artifact) -> None: ...
-    def evaluated(self, ref: str, result) -> None: ...
-    def profiled(self, report: dict) -> None: ...
-    def benched(self, report: dict) -> None: ...
+
+class View:
+    """What the runner tells the person watching; the CLI's ConsoleView renders it. This default says
+    nothing (library use, tests). Calls: stage_start(index, total, spec, refs), stage_skip(index, total,
+    spec, why), stage_done(spec, seconds), note(message), artifact(spec, art), evaluated(ref, result),
+    profiled(report), benched(report)."""
+
+    stage_start = stage_skip = stage_done = note = staticmethod(_silent)
+    artifact = evaluated = profiled = benched = staticmethod(_silent)
 
     @contextmanager
     def hooks(self, spec: StageSpec):

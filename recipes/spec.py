@@ -15,6 +15,7 @@ never disagree. Every error names the file, the line and the key.
 from __future__ import annotations
 
 import inspect
+import types
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
@@ -230,28 +231,29 @@ def options_of(kind: str) -> dict[str, Option]:
 
 def build(kind: str, options: dict):
     """The subcommand's validated config object(s) for these options."""
-    from llmopt.cli import bench_cmd, eval_cmd, profile_cmd, prune_cmd, quantize_cmd, shard_cmd
-
-    module = {"quantize": quantize_cmd, "prune": prune_cmd, "shard": shard_cmd, "eval": eval_cmd,
-              "profile": profile_cmd, "bench": bench_cmd}[kind]
+    module = _module(kind)
     built = module.build_config(options)
     if kind == "bench":  # the server is started on each input; check its options now
-        bench_cmd.server_spec("placeholder", options)
+        module.server_spec("placeholder", options)
     return built
 
 
 def _command(kind: str):
+    return _module(kind).run
+
+
+def _module(kind: str):
     from llmopt.cli import bench_cmd, eval_cmd, profile_cmd, prune_cmd, quantize_cmd, shard_cmd
 
-    return {"quantize": quantize_cmd.run, "prune": prune_cmd.run, "shard": shard_cmd.run, "eval": eval_cmd.run,
-            "profile": profile_cmd.run, "bench": bench_cmd.run}[kind]
+    return {"quantize": quantize_cmd, "prune": prune_cmd, "shard": shard_cmd, "eval": eval_cmd,
+            "profile": profile_cmd, "bench": bench_cmd}[kind]
 
 
 def _base_type(hint) -> tuple[type, bool]:
     if typing.get_origin(hint) is typing.Annotated:
         hint = typing.get_args(hint)[0]
     optional = False
-    if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         optional, hint = True, args[0]
     if typing.get_origin(hint) is list:
