@@ -5,7 +5,8 @@
 # bench-results/; the summary prints each run's output throughput as a multiple of the baseline's.
 #
 # Knobs (environment): BENCH_PROMPTS (16), BENCH_OUTPUT_LEN (64), BENCH_CONCURRENCY ("1 4 16"),
-# BENCH_RUNS ("hf:base llmopt:base llmopt:w8a16 llmopt:w4a16", ENGINE:ARTIFACT), BENCH_SERVE_ARGS
+# BENCH_RUNS ("hf:base llmopt:base llmopt:base@bf16 llmopt:w8a16 llmopt:w4a16", ENGINE:ARTIFACT[@DTYPE]:
+# @bf16 serves in bf16 (`--dtype bf16`; the baseline server takes it too), reported as NAME-bf16), BENCH_SERVE_ARGS
 # (extra `llmopt serve` options), BENCH_URLS ("NAME=URL ...": servers already running, e.g. llama.cpp's
 # llama-server or vLLM, benched with the same load), BENCH_OUT (bench-results), BENCH_ARTIFACTS (out/bench).
 set -euo pipefail
@@ -16,7 +17,7 @@ ART=${BENCH_ARTIFACTS:-out/bench}
 PROMPTS=${BENCH_PROMPTS:-16}
 OUTPUT_LEN=${BENCH_OUTPUT_LEN:-64}
 CONCURRENCY=${BENCH_CONCURRENCY:-1 4 16}
-RUNS=${BENCH_RUNS:-hf:base llmopt:base llmopt:w8a16 llmopt:w4a16}
+RUNS=${BENCH_RUNS:-hf:base llmopt:base llmopt:base@bf16 llmopt:w8a16 llmopt:w4a16}
 SERVE_ARGS=${BENCH_SERVE_ARGS:-}
 URLS=${BENCH_URLS:-}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -39,14 +40,16 @@ load=(--dataset sharegpt --num-prompts "$PROMPTS" --output-len "$OUTPUT_LEN" --i
 mkdir -p "$OUT"
 start=$SECONDS
 for run in $RUNS; do
-    engine=${run%%:*} name=${run#*:}
+    engine=${run%%:*} name=${run#*:} dtype=
+    [[ $name == *@* ]] && dtype=${name#*@} name=${name%@*}
     artifact "$name"
-    extra=()
-    [[ $engine == llmopt && -n $SERVE_ARGS ]] && extra=(--serve-args "$SERVE_ARGS")
+    extra=() label=$engine-$name${dtype:+-$dtype}
+    [[ -n $dtype ]] && extra+=(--serve-args "--dtype $dtype")
+    [[ $engine == llmopt && -n $SERVE_ARGS ]] && extra+=(--serve-args "$SERVE_ARGS")
     for c in $CONCURRENCY; do
-        echo "== $engine on $name, concurrency $c ($((SECONDS - start)) s so far)" >&2
+        echo "== $engine on $name${dtype:+ in $dtype}, concurrency $c ($((SECONDS - start)) s so far)" >&2
         llmopt bench --server "$ART/$name" --engine "$engine" "${extra[@]}" "${load[@]}" --max-concurrency "$c" \
-            --json "$OUT/$engine-$name-c$c.json" > "$OUT/$engine-$name-c$c.txt"
+            --json "$OUT/$label-c$c.json" > "$OUT/$label-c$c.txt"
     done
 done
 for entry in $URLS; do

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from llmopt.stages.errors import ConfigError
+from llmopt.stages.serve.attention import CpuAttention, decode_groups
 from llmopt.stages.serve.loader import load_runtime
 from llmopt.stages.serve.model import SUPPORTED_ARCHITECTURES, spec_from_config
 from llmopt.stages.serve.runner import ModelRunner
@@ -111,6 +112,29 @@ def test_decode_batch_of_unequal_contexts(pair):
     runner.execute(seqs.step([(s, len(seqs.tokens[s]) - 2) for s in ids]))
     for _ in range(2):
         _check(runner.execute(seqs.step([(s, 1) for s in ids])), model, seqs, ids)
+
+
+def test_decode_groups_split_where_padding_costs_more_than_a_call():
+    # one long context among short ones gets a call of its own; similar lengths share one
+    assert decode_groups([800] + [50] * 15, overhead=384) == [[0], list(range(1, 16))]
+    assert decode_groups([100, 90, 95, 99], overhead=384) == [[0, 3, 2, 1]]
+    assert decode_groups([5, 40, 6], overhead=0) == [[1], [2], [0]]
+    groups = decode_groups([743, 318, 7, 21, 37, 80, 46, 4, 23, 26, 271, 115, 11, 25, 9, 69], overhead=384)
+    assert sorted(i for g in groups for i in g) == list(range(16))  # a partition
+    padded = sum(len(g) * max([743, 318, 7, 21, 37, 80, 46, 4, 23, 26, 271, 115, 11, 25, 9, 69][i] for i in g)
+                 for g in groups)
+    assert padded + 384 * len(groups) < 16 * 743 / 2  # vs one call padded to 743
+
+
+def test_decode_batch_split_into_length_groups(pair, monkeypatch):
+    # every decode its own group (overhead 0), mixed with a prefill chunk: rows scattered back in place
+    monkeypatch.setattr(CpuAttention, "GROUP_OVERHEAD_KEYS", 0)
+    model, runtime = pair
+    runner, seqs = ModelRunner(runtime, 96, 4), Sequences(96, 4, seed=9)
+    ids = [seqs.add(_tokens(n, 20 + n)) for n in (3, 41, 6, 29, 17)]
+    runner.execute(seqs.step([(s, len(seqs.tokens[s]) - 2) for s in ids[:4]]))
+    for work in ([(s, 1) for s in ids[:4]], [(ids[1], 1), (ids[4], 9), (ids[0], 1), (ids[3], 1), (ids[2], 1)]):
+        _check(runner.execute(seqs.step(work)), model, seqs, [s for s, _ in work])
 
 
 def test_runtime_bf16_close_to_fp32(tmp_path):
