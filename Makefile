@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo bench bench-kernels fuzz clean
+.PHONY: venv test test-fast demo bench bench-engine bench-kernels fuzz clean
 
 venv: $(STAMP)
 
@@ -34,6 +34,13 @@ demo: $(STAMP)
 # llmopt serve (base, W8A16, W4A16 of smollm2-135m) vs the transformers baseline -> bench-results/
 bench: $(STAMP)
 	PY=$(PY) bash scripts/bench.sh
+
+# the serve engine offline (base, W8A16, W4A16) vs transformers generate in static batches of 8,
+# first 100 ShareGPT prompts; then 2,000 short requests with aborts: blocks all freed, RSS flat
+bench-engine: $(STAMP)
+	PY=$(PY) bash scripts/bench.sh artifacts
+	$(PY) scripts/bench_engine.py out/bench/base --also out/bench/w8a16 out/bench/w4a16 --json bench-results/engine.json
+	$(PY) scripts/bench_engine_memory.py out/bench/base --json bench-results/engine-memory.json
 
 bench-kernels: $(STAMP)
 	$(PY) scripts/bench_kernels.py

@@ -35,6 +35,11 @@ artifact() {  # NAME: build out/bench/NAME once (base: import; w8a16 / w4a16: RT
     esac
 }
 
+if [[ ${1:-} == artifacts ]]; then  # `scripts/bench.sh artifacts`: only build out/bench/* (make bench-engine)
+    for name in base w8a16 w4a16; do artifact "$name"; done
+    exit 0
+fi
+
 load=(--dataset sharegpt --num-prompts "$PROMPTS" --output-len "$OUTPUT_LEN" --ignore-eos --request-rate inf
       --warmup 1 --seed 0 --quiet)
 mkdir -p "$OUT"

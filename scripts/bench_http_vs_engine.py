@@ -1,7 +1,7 @@
 """Aggregate output tokens/s: 16 concurrent streaming HTTP clients vs the offline engine, same prompts.
 
     python scripts/bench_http_vs_engine.py [--model smollm2-135m] [--prompts 32] [--concurrency 16]
-        [--max-tokens 64] [--rounds 2] [--threads N]
+        [--max-tokens 64] [--rounds 2] [--threads N] [--dtype auto|fp32|bf16]
 
 Both sides run the first N ShareGPT prompts as chat conversations, greedy, `ignore_eos`, so every
 request makes exactly --max-tokens tokens and the two token counts are equal. The offline engine
@@ -113,6 +113,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: torch's)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                        help="serving dtype on both sides (auto: the checkpoint's)")
     args = parser.parse_args()
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the server subprocess inherits it
@@ -126,7 +128,7 @@ def main() -> int:
 
     prompts = load_prompts(args.prompts)
     config = EngineConfig(max_num_seqs=args.concurrency, max_model_len=args.max_model_len)
-    engine = build_engine(args.model, config)
+    engine = build_engine(args.model, config, dtype=None if args.dtype == "auto" else args.dtype)
     prompt_ids = [chat_prompt([{"role": "user", "content": p}], engine.tokenizer) for p in prompts]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     engine.generate(prompt_ids[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
@@ -136,7 +138,7 @@ def main() -> int:
         port = sock.getsockname()[1]
     base_url = f"http://127.0.0.1:{port}"
     server = start_server(args.model, port, ["--max-num-seqs", str(args.concurrency),
-                                             "--max-model-len", str(args.max_model_len)])
+                                             "--max-model-len", str(args.max_model_len), "--dtype", args.dtype])
     try:
         wait_healthy(base_url, server)
         asyncio.run(http_tokens_per_s(base_url, "bench", prompts[:2], 2, 4))  # warm-up
@@ -145,7 +147,8 @@ def main() -> int:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
     print(json.dumps({"model": args.model, "prompts": args.prompts, "concurrency": args.concurrency,
-                      "max_tokens": args.max_tokens, "torch_threads": os.environ.get("OMP_NUM_THREADS", "default"),
+                      "max_tokens": args.max_tokens, "dtype": args.dtype,
+                      "torch_threads": os.environ.get("OMP_NUM_THREADS", "default"),
                       "offline_tok_s": round(off, 1), "http_tok_s": round(web, 1), "ratio": round(web / off, 3)}))
     return 0
 

@@ -89,8 +89,11 @@ class ModelRunner:
         self.runtime, self.num_blocks, self.block_size = runtime, num_blocks, block_size
         self.kv_dtype = kv_dtype or runtime.dtype
         shape = (spec.num_layers, num_blocks, block_size, 2, spec.num_kv_heads, spec.head_dim)
-        # zeros, not empty: padded gathers may read never-written slots, and 0 * NaN would leak.
-        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=runtime.device)
+        # Zeroed, not left empty: padded gathers may read never-written slots, and 0 * NaN would leak.
+        # Written here rather than by torch.zeros, whose CPU calloc maps pages only when first
+        # touched: the whole cache is resident from the start, so RSS does not creep up as serving
+        # reaches blocks for the first time, and no step pays those page faults.
+        self.kv_cache = torch.empty(shape, dtype=self.kv_dtype, device=runtime.device).zero_()
         self.kv_caches = list(self.kv_cache)
         self.k_caches, self.v_caches = [c[:, :, 0] for c in self.kv_caches], [c[:, :, 1] for c in self.kv_caches]
         self.scale, self.kernels = spec.head_dim ** -0.5, kernels
