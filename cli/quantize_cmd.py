@@ -24,6 +24,7 @@ def run(source: Source, output: Output, method: Method = "gptq", scheme: Scheme 
         act_order: Annotated[bool, typer.Option("--act-order", help="GPTQ: columns by descending Hessian diagonal.")] = False,
         damp: Annotated[float, typer.Option("--damp", help="GPTQ dampening, fraction of mean diag(H).")] = 0.01,
         sink_share: Annotated[float, typer.Option("--sink-share", help="GPTQ: Hessian share of attention-sink tokens (0: plain).")] = 0.03,
+        observer: Annotated[str, typer.Option("--observer", help="GPTQ: group range by mse (shrunk to least error) or minmax.")] = "mse",
         alpha: Annotated[float, typer.Option("--alpha", help="SmoothQuant migration strength.")] = 0.5,
         device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = "cpu",
         dtype: DTypeOpt = DType.auto,
@@ -45,7 +46,7 @@ def build_config(o: dict):
     config = QuantizeConfig(method=o["method"], scheme=o["scheme"].upper(), group_size=str(o["group_size"]),
                             symmetric=not o["asym"], ignore=tuple(o["ignore"] or ()),
                             calib=CalibConfig(o["calib"], o["nsamples"], o["seqlen"], o["seed"]), damp=o["damp"],
-                            act_order=o["act_order"], sink_share=o["sink_share"], smoothing_alpha=o["alpha"],
+                            act_order=o["act_order"], sink_share=o["sink_share"], observer=o["observer"], smoothing_alpha=o["alpha"],
                             device=o["device"], eval_windows=o["eval_windows"])
     config.validate()
     return config

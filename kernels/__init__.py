@@ -48,6 +48,34 @@ KernelBackendError for a backend that cannot run here.
 from __future__ import annotations
 
 import importlib
+import sys
+
+
+def _defer_to_installed_kernels() -> None:
+    """Imported as a top-level `kernels`, this folder is shadowing another distribution.
+
+    In a checkout, `python -m ...`, pytest (tests/ is a package) and some scripts put the repository
+    root on sys.path, so `import kernels` finds this folder. transformers >= 5.25 imports the PyPI
+    `kernels` package (Hugging Face's kernel hub) whenever it is installed; finding ours there breaks
+    every transformers import. We install only as `llmopt.kernels`, so a top-level import is never
+    meant for us: load the installed package in our place, or fail as if we were not on the path.
+    """
+    import importlib.machinery
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    path = [p for p in sys.path if Path(p or ".").resolve() != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", path)
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module  # the import statement returns sys.modules["kernels"]
+    spec.loader.exec_module(module)
+
+
+if __name__ == "kernels":
+    _defer_to_installed_kernels()
 
 _EXPORTS = {
     "rms_norm": "norm", "rms_norm_ref": "norm",

@@ -18,13 +18,26 @@ __all__ = ["awq_search_scale", "awq_search_clip", "apply_clip", "fake_quantize_c
            "apply_scale_to_norm", "apply_scale_to_linears", "apply_scale_to_prev_linear"]
 
 
-def subsample_rows(x: Tensor, max_rows: int) -> Tensor:
-    """x reshaped to [n, in]; at most max_rows evenly spaced rows (deterministic) in float32."""
+def subsample_rows(x: Tensor, max_rows: int, weights: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """x reshaped to [n, in] and its row weights [n]; at most max_rows evenly spaced rows
+    (deterministic), in float32. Weights (None: all rows count alike) are normalised to sum to 1."""
     x = x.reshape(-1, x.shape[-1])  # [tokens, in]
+    if weights is not None:
+        weights = weights.reshape(-1).float()
     if x.shape[0] > max_rows:
         idx = torch.linspace(0, x.shape[0] - 1, max_rows, device=x.device).round().long()
         x = x[idx]
-    return x.float()
+        weights = None if weights is None else weights[idx]
+    if weights is not None:
+        weights = weights / weights.sum()
+    return x.float(), weights
+
+
+def _row_mean(t: Tensor, weights: Tensor | None) -> Tensor:
+    """Mean over dim 0 of t [n, ...], weighted by weights [n] (summing to 1) when given."""
+    if weights is None:
+        return t.mean(dim=0)
+    return torch.tensordot(weights, t, dims=([0], [0]))
 
 
 def _weight_magnitude(W: Tensor, args: QuantArgs) -> Tensor:
@@ -37,22 +50,24 @@ def _weight_magnitude(W: Tensor, args: QuantArgs) -> Tensor:
 
 
 def awq_search_scale(x: Tensor, weights: list[Tensor], args: QuantArgs, grid: int = 20,
-                     max_rows: int = 2048) -> tuple[Tensor, float, float]:
+                     max_rows: int = 2048, row_weights: Tensor | None = None) -> tuple[Tensor, float, float]:
     """Best per-input-channel scale s [in] for the linears sharing input x [..., in].
 
     Loss: MSE between x @ W^T and (x / s) @ fake_quant(W * s)^T over all the linears' outputs
     (W = the weights stacked along the output dimension). s = 1 is always a candidate, so the
-    best loss never exceeds the loss without scaling. Returns (s, best_loss, loss_at_s_equal_1).
+    best loss never exceeds the loss without scaling. `row_weights` ([...], one per row of x)
+    weigh each token in the loss and in the mean |x| (see `AWQ`: attention sinks). Returns
+    (s, best_loss, loss_at_s_equal_1).
     """
-    x = subsample_rows(x, max_rows)  # [n, in]
+    x, rw = subsample_rows(x, max_rows, row_weights)  # [n, in], [n] | None
     W = torch.cat([w.float() for w in weights], dim=0)  # [sum out_i, in]
     ref = x @ W.t()  # [n, sum out_i]
-    x_mean = x.abs().mean(dim=0).clamp(min=1e-8)
+    x_mean = _row_mean(x.abs(), rw).clamp(min=1e-8)
     w_mean = _weight_magnitude(W, args).clamp(min=1e-8)
 
     def loss_of(s: Tensor) -> float:
         wq = fake_quantize(W * s, args) / s  # == (x / s) @ fq(W * s)^T, without touching x
-        return torch.mean((x @ wq.t() - ref) ** 2).item()
+        return _row_mean((x @ wq.t() - ref).pow(2).mean(dim=1), rw).item()
 
     best_s = torch.ones_like(x_mean)
     best = loss_at_1 = loss_of(best_s)
@@ -69,23 +84,25 @@ def awq_search_scale(x: Tensor, weights: list[Tensor], args: QuantArgs, grid: in
 
 
 def awq_search_clip(x: Tensor, w: Tensor, args: QuantArgs, grid: int = 20, max_shrink: float = 0.5,
-                    max_rows: int = 512, rows_per_chunk: int = 256) -> Tensor:
+                    max_rows: int = 512, rows_per_chunk: int = 256, row_weights: Tensor | None = None) -> Tensor:
     """Per-group clipping range max_val [out, in/g] minimising each group's output MSE.
 
     Candidates shrink the group's absmax by k/grid for k < max_shrink * grid; k = 0 (no
-    clipping) is among them, so clipping never raises the calibration error.
+    clipping) is among them, so clipping never raises the calibration error. `row_weights` as in
+    `awq_search_scale`.
     """
-    x = subsample_rows(x, max_rows)  # [n, in]
+    x, rw = subsample_rows(x, max_rows, row_weights)  # [n, in], [n] | None
     W = w.float()
     out, cols = W.shape
     g = group_width(cols, args)
     xg = x.reshape(x.shape[0], cols // g, g)  # [n, in/g, g]
-    chunks = [_clip_chunk(xg, W[r:r + rows_per_chunk], args, grid, max_shrink)
+    chunks = [_clip_chunk(xg, W[r:r + rows_per_chunk], args, grid, max_shrink, rw)
               for r in range(0, out, rows_per_chunk)]
     return torch.cat(chunks, dim=0)
 
 
-def _clip_chunk(xg: Tensor, W: Tensor, args: QuantArgs, grid: int, max_shrink: float) -> Tensor:
+def _clip_chunk(xg: Tensor, W: Tensor, args: QuantArgs, grid: int, max_shrink: float,
+                rw: Tensor | None = None) -> Tensor:
     rows, cols = W.shape
     ng, g = xg.shape[1], xg.shape[2]
     wg = W.reshape(rows, ng, g)  # [rows, in/g, g]
@@ -95,7 +112,7 @@ def _clip_chunk(xg: Tensor, W: Tensor, args: QuantArgs, grid: int, max_shrink: f
     for k in range(max(1, int(max_shrink * grid))):
         max_val = org_max * (1 - k / grid)
         wq = fake_quantize_clipped(W, max_val, args).reshape(rows, ng, g)  # [rows, in/g, g]
-        err = (torch.einsum("ngk,ogk->nog", xg, wq) - ref).pow(2).mean(dim=0)  # [rows, in/g]
+        err = _row_mean((torch.einsum("ngk,ogk->nog", xg, wq) - ref).pow(2), rw)  # [rows, in/g]
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_max = torch.where(better, max_val, best_max)

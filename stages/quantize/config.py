@@ -35,6 +35,7 @@ class QuantizeConfig:
     damp: float = 0.01
     act_order: bool = False
     sink_share: float = 0.03  # GPTQ: share of the Hessian given to attention-sink tokens (0: plain mean)
+    observer: str = "mse"  # GPTQ: how a group's range is chosen (mse | minmax), see rtn.compute_qparams
     smoothing_alpha: float = 0.5
     device: str = "cpu"
     batch_size: int = 8
@@ -61,6 +62,8 @@ class QuantizeConfig:
             raise ConfigError("W8A8 is symmetric (int8 x int8 matmul); drop --asym")
         if not 0 < self.damp < 1:
             raise ConfigError(f"--damp must lie in (0, 1) (got {self.damp})")
+        if self.observer not in ("minmax", "mse"):
+            raise ConfigError(f"--observer must be minmax or mse (got {self.observer})")
         if not 0 <= self.sink_share < 1:
             raise ConfigError(f"--sink-share must lie in [0, 1) (got {self.sink_share})")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -62,7 +62,13 @@ def sink_token_weights(hidden: Tensor, share: float, ratio: float = 5.0) -> Tens
     """
     if share <= 0:
         return None
-    norms = hidden.float().norm(dim=-1)  # [B, S]
+    return sink_weights_from_norms(hidden.float().norm(dim=-1), share, ratio)  # [B, S]
+
+
+def sink_weights_from_norms(norms: Tensor, share: float, ratio: float = 5.0) -> Tensor | None:
+    """`sink_token_weights` from the tokens' residual-stream norms (any shape): weights of that shape."""
+    if share <= 0:
+        return None
     sinks = norms > ratio * norms.median()
     k = int(sinks.sum())
     if k == 0 or k == norms.numel():
@@ -84,11 +90,13 @@ class GPTQResult:
 
 
 def gptq_quantize(w: Tensor, hessian: Tensor, args: QuantArgs, damp: float = 0.01, block_size: int = 128,
-                  act_order: bool = False, mask: Tensor | None = None) -> GPTQResult:
+                  act_order: bool = False, mask: Tensor | None = None, observer: str = "minmax") -> GPTQResult:
     """GPTQ-quantize w [out, in] given the input Hessian [in, in].
 
     mask [out, in] (bool, optional) marks weights that must stay exactly 0 (pruned): they are
-    quantized to 0 and never receive error compensation. Computed in float32 (float64 if w is).
+    quantized to 0 and never receive error compensation. observer: how a group's range is chosen
+    when the group starts (`compute_qparams`: "minmax" or "mse"), from the weights as already
+    updated. Computed in float32 (float64 if w is).
     """
     dtype = torch.float64 if w.dtype == torch.float64 else torch.float32
     W = w.to(dtype).clone()
@@ -103,7 +111,7 @@ def gptq_quantize(w: Tensor, hessian: Tensor, args: QuantArgs, damp: float = 0.0
         W *= keep
     # Static qparams: per channel always; per group under act-order (groups then no longer
     # follow the column order, and static groups keep the stored layout free of g_idx).
-    static = compute_qparams(W, args) if (g == cols or act_order) else None
+    static = compute_qparams(W, args, observer) if (g == cols or act_order) else None
     perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else None
     if perm is not None:
         W, H = W[:, perm], H[perm][:, perm]
@@ -112,7 +120,7 @@ def gptq_quantize(w: Tensor, hessian: Tensor, args: QuantArgs, damp: float = 0.0
     order = perm.tolist() if perm is not None else range(cols)
     group_of = [j // g for j in order]  # loop position -> original group (static qparams)
     with _one_thread():
-        q, losses, qparams = _quantize_blocks(W, U, args, g, block_size, static, group_of, keep)
+        q, losses, qparams = _quantize_blocks(W, U, args, g, block_size, static, group_of, keep, observer)
     if perm is not None:
         inv = torch.argsort(perm)
         q = q[:, inv]
@@ -150,7 +158,7 @@ def inverse_hessian_factor(hessian: Tensor, damp: float, method: str = "GPTQ") -
 
 
 def _quantize_blocks(W: Tensor, U: Tensor, args: QuantArgs, g: int, block_size: int,
-                     static: tuple | None, group_of: list[int], keep: Tensor | None):
+                     static: tuple | None, group_of: list[int], keep: Tensor | None, observer: str = "minmax"):
     """The GPTQ loop over blocks of columns; W is updated in place. Returns (q, loss, qparams)."""
     out, cols = W.shape
     if block_size < 1:
@@ -167,7 +175,7 @@ def _quantize_blocks(W: Tensor, U: Tensor, args: QuantArgs, g: int, block_size: 
         Err1 = torch.zeros_like(W1)
         for i in range(i2 - i1):
             if static is None and (i1 + i) % g == 0:
-                s, z = compute_qparams(W1[:, i:i + g], one)
+                s, z = compute_qparams(W1[:, i:i + g], one, observer)
                 scales.append(s), zeros.append(z)
             col_qp = _static_group(static, group_of[i1 + i]) if static is not None else (scales[-1], zeros[-1])
             q[:, i1 + i], deq = _quantize_column(W1[:, i], col_qp, one)

@@ -14,7 +14,7 @@ from torch import nn
 from ..compressed import LinearScheme, compress_linear
 from .awq import apply_clip, awq_search_clip, awq_search_scale
 from .fold import apply_scale_to_linears, apply_scale_to_norm, apply_scale_to_prev_linear
-from .gptq import HessianAccumulator, gptq_quantize, sink_token_weights
+from .gptq import HessianAccumulator, gptq_quantize, sink_token_weights, sink_weights_from_norms
 from .rtn import QuantArgs, compute_qparams, dequantize, quantize
 from .smoothquant import smooth_scales
 
@@ -104,9 +104,9 @@ def _keep_zeros(q, zp, mask, args):
 
 
 class GPTQ(LayerQuantizer):
-    def __init__(self, targets, damp: float, act_order: bool, sink_share: float = 0.0):
+    def __init__(self, targets, damp: float, act_order: bool, sink_share: float = 0.0, observer: str = "minmax"):
         super().__init__(targets)
-        self.damp, self.act_order, self.sink_share = damp, act_order, sink_share
+        self.damp, self.act_order, self.sink_share, self.observer = damp, act_order, sink_share, observer
         self.hessians: dict[str, HessianAccumulator] = {}
         self._weights = None  # per-token Hessian weights of the batch now running through the layer
 
@@ -129,7 +129,7 @@ class GPTQ(LayerQuantizer):
             w = linear.weight.data.float()
             mask = w == 0
             res = gptq_quantize(w, self.hessians[name].hessian, args, damp=self.damp,
-                                act_order=self.act_order, mask=mask if mask.any() else None)
+                                act_order=self.act_order, mask=mask if mask.any() else None, observer=self.observer)
             self._store(index, name, linear, res.q, res.scale, res.zero_point, args)
             errors[name] = res.error
         self.hessians = {}
@@ -137,37 +137,65 @@ class GPTQ(LayerQuantizer):
 
 
 class ActivationSampler:
-    """Keeps a bounded, deterministic sample of input rows [n, in] for scale searches."""
+    """A bounded, deterministic sample of input rows [n, in] for scale searches, spread evenly
+    over every batch seen: rows whose running index is a multiple of `stride` are kept, and when
+    more than `max_rows` are held the stride doubles and every other kept row goes. With each row
+    it keeps its token's residual-stream norm when one is given (see `AWQ`: attention sinks)."""
 
     def __init__(self, max_rows: int = 4096):
         self.max_rows = max_rows
-        self.rows: list[torch.Tensor] = []
         self.absmax: torch.Tensor | None = None
-        self.count = 0
+        self.stride, self.seen = 1, 0
+        self._index, self._rows, self._norms = [], [], []
 
-    def add(self, x: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, norms: torch.Tensor | None = None) -> None:
         flat = x.reshape(-1, x.shape[-1]).float()  # [B*S, in]
         amax = flat.abs().amax(0)
         self.absmax = amax if self.absmax is None else torch.maximum(self.absmax, amax)
-        if self.count < self.max_rows:
-            step = max(1, flat.shape[0] // 512)
-            take = flat[::step][: self.max_rows - self.count]
-            self.rows.append(take)
-            self.count += take.shape[0]
+        index = torch.arange(self.seen, self.seen + flat.shape[0])
+        self.seen += flat.shape[0]
+        keep = index % self.stride == 0
+        self._index.append(index[keep])
+        self._rows.append(flat[keep])
+        self._norms.append(None if norms is None else norms.reshape(-1).float().cpu()[keep])
+        while sum(len(i) for i in self._index) > self.max_rows:
+            self.stride *= 2
+            kept = [i % self.stride == 0 for i in self._index]
+            self._index = [i[k] for i, k in zip(self._index, kept)]
+            self._rows = [r[k.to(r.device)] for r, k in zip(self._rows, kept)]
+            self._norms = [None if n is None else n[k] for n, k in zip(self._norms, kept)]
 
     def sample(self) -> torch.Tensor:
-        return torch.cat(self.rows)
+        return torch.cat(self._rows)
+
+    def norms(self) -> torch.Tensor | None:
+        """The kept rows' token norms [n], or None unless every batch came with them."""
+        if not self._norms or any(n is None for n in self._norms):
+            return None
+        return torch.cat(self._norms)
 
 
 class _Smoothing(LayerQuantizer):
-    """Shared: observe each shared-input group's input; subclasses choose the scale."""
+    """Shared: observe each shared-input group's input; subclasses choose the scale.
+
+    The decoder layer's pre-hook ("") records each token's residual-stream norm, and every sampled
+    input row keeps its token's norm, so a subclass can tell attention-sink tokens apart."""
+
+    _token_norms = None  # [B*S] norms of the batch now running through the layer
 
     def observers(self, index, layer):
         self.samplers = {}
         for _, names in SHARED_INPUTS:
             if all(n in self.targets.get(index, {}) for n in names):
                 self.samplers[names[0]] = ActivationSampler()
-        return {name: s.add for name, s in self.samplers.items()}
+        hooks = {name: self._adder(s) for name, s in self.samplers.items()}
+        return {"": self._note_norms, **hooks} if hooks else hooks
+
+    def _note_norms(self, hidden):
+        self._token_norms = hidden.float().norm(dim=-1).reshape(-1)
+
+    def _adder(self, sampler: ActivationSampler):
+        return lambda x: sampler.add(x, self._token_norms)
 
     def _fold(self, layer, prev: str, names, s: torch.Tensor) -> None:
         """Divide the input by s where it is produced, multiply the consuming weights by s."""
@@ -192,9 +220,20 @@ class _Smoothing(LayerQuantizer):
 
 
 class AWQ(_Smoothing):
+    """AWQ's scale and clipping searches, with attention-sink tokens given `sink_share` of the loss.
+
+    Sinks (see `gptq.sink_token_weights`) are a token or two per window with residual norms tens
+    of times the others'; in a plain mean they dominate both the mean |x| that shapes the scales
+    and the output MSE that picks them. `sink_share` 0 is textbook AWQ."""
+
+    def _row_weights(self, sampler: ActivationSampler):
+        norms = sampler.norms()
+        return None if norms is None else sink_weights_from_norms(norms, self.sink_share)
+
     def scale_for(self, sampler, weights, names):
         args = self.targets_args[names[0]]
-        s, best, at_one = awq_search_scale(sampler.sample(), weights, args)
+        s, best, at_one = awq_search_scale(sampler.sample(), weights, args,
+                                           row_weights=self._row_weights(sampler))
         self.losses[names[0]] = (best, at_one)
         return s
 
@@ -205,12 +244,13 @@ class AWQ(_Smoothing):
         hooks = super().observers(index, layer)
         if self.clip and "self_attn.o_proj" in self.targets.get(index, {}):
             self.samplers["self_attn.o_proj"] = ActivationSampler()
-            hooks["self_attn.o_proj"] = self.samplers["self_attn.o_proj"].add
+            hooks["self_attn.o_proj"] = self._adder(self.samplers["self_attn.o_proj"])
+            hooks.setdefault("", self._note_norms)
         return hooks
 
-    def __init__(self, targets, clip: bool = True):
+    def __init__(self, targets, clip: bool = True, sink_share: float = 0.0):
         super().__init__(targets)
-        self.clip = clip
+        self.clip, self.sink_share = clip, sink_share
 
     def process(self, index, layer):
         self.targets_args, self.losses = self.targets.get(index, {}), {}
@@ -235,7 +275,7 @@ class AWQ(_Smoothing):
             sampler, s = self.applied[name]
             x = sampler.sample() if s is None else sampler.sample() / s
             linear = layer.get_submodule(name)
-            max_val = awq_search_clip(x, linear.weight.data.float(), args)
+            max_val = awq_search_clip(x, linear.weight.data.float(), args, row_weights=self._row_weights(sampler))
             org = linear.weight.data.float().abs().reshape(max_val.shape[0], max_val.shape[1], -1).amax(-1)
             linear.weight.data = apply_clip(linear.weight.data, max_val, args)
             shares[name] = float((max_val < org).float().mean())

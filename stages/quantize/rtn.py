@@ -101,10 +101,51 @@ def qparams_from_minmax(min_vals: Tensor, max_vals: Tensor, args: QuantArgs) -> 
     return torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale), zero
 
 
-def compute_qparams(w: Tensor, args: QuantArgs) -> tuple[Tensor, Tensor | None]:
-    """RTN qparams of w [out, in]: scale [out, in/g] float32 (float64 for float64 w), zero or None."""
+OBSERVERS = ("minmax", "mse")
+
+
+def compute_qparams(w: Tensor, args: QuantArgs, observer: str = "minmax") -> tuple[Tensor, Tensor | None]:
+    """qparams of w [out, in]: scale [out, in/g] float32 (float64 for float64 w), zero or None.
+
+    observer "minmax": each group's range is its min..max. "mse": the range shrunk (by up to 20%,
+    in 1% steps) to whichever minimises the group's sum of |w - dequantized|^2.4, the error measure
+    of GPTQ's and llm-compressor's MSE observers: a few outliers no longer stretch the grid for
+    every other weight of the group. min..max is among the candidates, so the error never rises.
+    """
     wg = _groups(w.to(_work_dtype(w)), args)  # [out, in/g, g]
-    return qparams_from_minmax(wg.amin(dim=-1), wg.amax(dim=-1), args)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
+    if observer == "minmax":
+        return qparams_from_minmax(lo, hi, args)
+    if observer != "mse":
+        raise ConfigError(f"unknown observer {observer!r}; choose one of {', '.join(OBSERVERS)}")
+    return _mse_qparams(wg, lo, hi, args)
+
+
+def _mse_qparams(wg: Tensor, lo: Tensor, hi: Tensor, args: QuantArgs, grid: int = 20, max_shrink: float = 0.2,
+                 norm: float = 2.4) -> tuple[Tensor, Tensor | None]:
+    best_scale, best_zero = qparams_from_minmax(lo, hi, args)
+    best_err = _group_error(wg, best_scale, best_zero, args, norm)
+    for i in range(1, grid + 1):
+        shrink = 1 - max_shrink * i / grid
+        scale, zero = qparams_from_minmax(lo * shrink, hi * shrink, args)
+        err = _group_error(wg, scale, zero, args, norm)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        if zero is not None:
+            best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
+
+
+def _group_error(wg: Tensor, scale: Tensor, zero: Tensor | None, args: QuantArgs, norm: float) -> Tensor:
+    """sum over each group of |w - dequantize(quantize(w))|^norm: [out, in/g]."""
+    x = wg / scale.unsqueeze(-1)
+    if zero is not None:
+        x = x + zero.unsqueeze(-1).to(wg.dtype)
+    q = torch.round(torch.clamp(x, args.qmin, args.qmax))
+    if zero is not None:
+        q = q - zero.unsqueeze(-1).to(wg.dtype)
+    return (q * scale.unsqueeze(-1) - wg).abs_().pow_(norm).sum(-1)
 
 
 def quantize(w: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantArgs) -> Tensor:

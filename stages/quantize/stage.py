@@ -67,9 +67,9 @@ def check_not_quantized(model) -> None:
 
 def make_method(config: QuantizeConfig, targets, sink=None) -> LayerQuantizer:
     if config.method == "gptq":
-        method = GPTQ(targets, config.damp, config.act_order, config.sink_share)
+        method = GPTQ(targets, config.damp, config.act_order, config.sink_share, config.observer)
     elif config.method == "awq":
-        method = AWQ(targets)
+        method = AWQ(targets, sink_share=config.sink_share)
     elif config.method == "smoothquant":
         method = SmoothQuant(targets, config.smoothing_alpha)
     else:

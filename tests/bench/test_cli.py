@@ -159,6 +159,12 @@ def test_interrupt_prints_the_partial_report(stub_url, tmp_path, monkeypatch, ca
     assert "2 / 6" in captured.out and "partial report of 2 finished of 6 requests" in captured.err
 
 
+def _foreground_sigint():
+    """SIGINT as a foreground process gets it. A test run started in the background (`pytest &`,
+    nohup) hands its children SIGINT ignored, and Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_in_a_real_process_prints_the_partial_report(stub_url, tmp_path):
     data = tmp_path / "slow.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": p, "output_len": 2}) for p in ["fast"] * 2 + ["SLOW"] * 40))
@@ -166,7 +172,8 @@ def test_ctrl_c_in_a_real_process_prints_the_partial_report(stub_url, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "llmopt.cli.main", "bench", "--url", stub_url, "--dataset",
                              f"jsonl:{data}", "--num-prompts", "42", "--max-concurrency", "1", "--warmup", "0",
                              "--quiet", "--json", str(tmp_path / "r.json")],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_foreground_sigint)
     assert "requests to" in proc.stderr.readline()  # the load starts now
     time.sleep(1.5)  # a few requests finish (the slow ones take ~0.5 s each)
     proc.send_signal(signal.SIGINT)

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from llmopt.stages.quantize.awq import (apply_clip, apply_scale_to_linears, apply_scale_to_norm,
                                         apply_scale_to_prev_linear, awq_search_clip, awq_search_scale,
                                         fake_quantize_clipped, subsample_rows)
+from llmopt.stages.quantize.methods import ActivationSampler
 from llmopt.stages.quantize.rtn import QuantArgs, fake_quantize
 
 ARGS = QuantArgs(4, 32, True)
@@ -91,7 +92,41 @@ def test_awq_subsampling_is_deterministic():
     a = awq_search_scale(x, ws, ARGS, max_rows=500)
     b = awq_search_scale(x, ws, ARGS, max_rows=500)
     assert torch.equal(a[0], b[0]) and a[1] == b[1]
-    assert subsample_rows(x.reshape(3, 1000, 64), 500).shape == (500, 64)
+    rows, weights = subsample_rows(x.reshape(3, 1000, 64), 500)
+    assert rows.shape == (500, 64) and weights is None
+
+
+def test_row_weights_of_zero_drop_rows_from_the_scale_and_clip_searches():
+    # Weighting rows 0/1 is the search on the rows of weight 1, for scale and clip, up to float
+    # rounding (a weighted mean and a plain one differ in the last bit, which can flip a rounding
+    # inside fake quantization and so pick a neighbouring candidate at a near-tie).
+    x = outlier_inputs(n=300, cols=64, seed=6)
+    ws = [torch.randn(32, 64, generator=gen(7))]
+    keep = torch.ones(300)
+    keep[::7] = 0
+    kept = x[keep.bool()]
+    s_w, best_w, one_w = awq_search_scale(x, ws, ARGS, row_weights=keep)
+    s_k, best_k, one_k = awq_search_scale(kept, ws, ARGS)
+    s_all, best_all, one_all = awq_search_scale(x, ws, ARGS)
+    assert one_w == pytest.approx(one_k, rel=1e-6) and one_w != pytest.approx(one_all, rel=1e-3)
+    assert best_w == pytest.approx(best_k, rel=0.01)
+    assert (s_w - s_k).abs().max() < 0.15 * s_k.abs().max()
+    clip_w = awq_search_clip(x, ws[0], ARGS, row_weights=keep)
+    same = (clip_w == awq_search_clip(kept, ws[0], ARGS)).float().mean()
+    assert same > 0.9
+
+
+def test_a_heavy_row_steers_the_scale_search():
+    # One token with 1000x the others' weight decides the loss: the search fits it, not the rest.
+    x = outlier_inputs(n=400, cols=64, seed=8)
+    x[0] = 0
+    x[0, 5] = 40.0  # a sink-like token: one huge channel the others lack
+    ws = [torch.randn(32, 64, generator=gen(9))]
+    heavy = torch.ones(400)
+    heavy[0] = 1000.0
+    plain = awq_search_scale(x, ws, ARGS)[0]
+    steered = awq_search_scale(x, ws, ARGS, row_weights=heavy)[0]
+    assert not torch.allclose(plain, steered)
 
 
 @pytest.mark.parametrize("args", [QuantArgs(4, 32, True), QuantArgs(4, 32, False)])
@@ -113,3 +148,22 @@ def test_apply_clip_clamps_each_group():
     w = torch.tensor([[1.0, -3.0, 2.0, 5.0]])
     out = apply_clip(w, torch.tensor([[2.0, 4.0]]), QuantArgs(4, 2))
     assert out.tolist() == [[1.0, -2.0, 2.0, 4.0]]
+
+
+def test_activation_sampler_spreads_over_every_batch_and_keeps_norms_aligned():
+    sampler = ActivationSampler(max_rows=100)
+    for b in range(10):  # 10 batches of 2 x 30 tokens; row value = its running index
+        x = torch.arange(b * 60, (b + 1) * 60, dtype=torch.float32).reshape(2, 30, 1).expand(2, 30, 3)
+        sampler.add(x, norms=-x[..., 0])
+    rows = sampler.sample()
+    assert 50 < rows.shape[0] <= 100
+    index = rows[:, 0]
+    assert torch.equal(index, torch.arange(0, 600, sampler.stride, dtype=torch.float32))  # evenly spaced, all batches
+    assert torch.equal(sampler.norms(), -index)
+    assert torch.equal(sampler.absmax, torch.full((3,), 599.0))
+
+
+def test_activation_sampler_without_norms():
+    sampler = ActivationSampler(max_rows=8)
+    sampler.add(torch.randn(4, 5, generator=gen(1)))
+    assert sampler.sample().shape == (4, 5) and sampler.norms() is None

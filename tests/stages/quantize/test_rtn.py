@@ -99,3 +99,22 @@ def test_group_that_does_not_divide_is_a_config_error():
         compute_qparams(torch.randn(4, 576), QuantArgs(4, 128))
     with pytest.raises(ConfigError):
         QuantArgs(16, 32)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_mse_observer_never_raises_a_groups_error_and_lowers_the_total(sym):
+    args = QuantArgs(4, 32, sym)
+    w = torch.randn(16, 128, generator=torch.Generator().manual_seed(0))
+    errors, scales = {}, {}
+    for observer in ("minmax", "mse"):
+        scale, zero = compute_qparams(w, args, observer)
+        deq = dequantize(quantize(w, scale, zero, args), scale, zero, args)
+        errors[observer], scales[observer] = (deq - w).abs().pow(2.4).reshape(16, 4, 32).sum(-1), scale
+    assert torch.all(errors["mse"] <= errors["minmax"] * (1 + 1e-6))  # min..max is one of the candidates
+    assert errors["mse"].sum() < 0.95 * errors["minmax"].sum()
+    assert torch.all(scales["mse"] <= scales["minmax"]) and torch.any(scales["mse"] < scales["minmax"])
+
+
+def test_unknown_observer_is_a_config_error():
+    with pytest.raises(ConfigError, match="observer"):
+        compute_qparams(torch.randn(4, 32), QuantArgs(4, 32, True), "percentile")

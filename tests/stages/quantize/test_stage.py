@@ -178,7 +178,7 @@ def test_layerwise_gptq_matches_a_whole_model_reference(tiny_hf, calib_text):
         for name, args in linears.items():
             full = f"model.layers.{index}.{name}"
             lin = ref.get_submodule(full)
-            res = gptq_quantize(lin.weight.data, accs[full].hessian, args)
+            res = gptq_quantize(lin.weight.data, accs[full].hessian, args, observer=cfg.observer)
             agree = (res.q == method.results[full].q).float().mean().item()
             assert agree > 0.995, (full, agree)
             lin.weight.data = res.dequantized.to(lin.weight.dtype)
