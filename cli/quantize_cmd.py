@@ -23,7 +23,7 @@ def run(source: Source, output: Output, method: Method = "gptq", scheme: Scheme 
         seed: Annotated[int, typer.Option("--seed")] = 0,
         act_order: Annotated[bool, typer.Option("--act-order", help="GPTQ: columns by descending Hessian diagonal.")] = False,
         damp: Annotated[float, typer.Option("--damp", help="GPTQ dampening, fraction of mean diag(H).")] = 0.01,
-        sink_share: Annotated[float, typer.Option("--sink-share", help="GPTQ: Hessian share of attention-sink tokens (0: plain).")] = 0.03,
+        sink_share: Annotated[float, typer.Option("--sink-share", help="GPTQ, AWQ: share of attention-sink tokens in the Hessian / search loss (0: plain).")] = 0.03,
         observer: Annotated[str, typer.Option("--observer", help="GPTQ: group range by mse (shrunk to least error) or minmax.")] = "mse",
         alpha: Annotated[float, typer.Option("--alpha", help="SmoothQuant migration strength.")] = 0.5,
         device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = "cpu",

@@ -34,7 +34,7 @@ class QuantizeConfig:
     calib: CalibConfig = field(default_factory=CalibConfig)
     damp: float = 0.01
     act_order: bool = False
-    sink_share: float = 0.03  # GPTQ: share of the Hessian given to attention-sink tokens (0: plain mean)
+    sink_share: float = 0.03  # GPTQ, AWQ: share of the Hessian / search loss given to attention-sink tokens (0: plain mean)
     observer: str = "mse"  # GPTQ: how a group's range is chosen (mse | minmax), see rtn.compute_qparams
     smoothing_alpha: float = 0.5
     device: str = "cpu"

@@ -111,3 +111,30 @@ def test_sigterm_during_a_stage_leaves_no_partial_output(tiny_hf, tmp_path):
     assert proc.returncode == 130, err
     assert "interrupted" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt"]
+
+
+def test_ctrl_c_while_the_cli_imports_is_one_line_and_130():
+    # The console script's entry point guards the import of the CLI: simulate the interrupt landing
+    # inside that import (a real SIGINT there is a race) and check the exit code and the one line.
+    import subprocess
+    import sys
+    code = """
+import sys
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == "llmopt.cli.main":
+            raise KeyboardInterrupt
+sys.meta_path.insert(0, Interrupt())
+from llmopt.cli.entry import main
+sys.exit(main())
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 130
+    assert done.stderr == "error: interrupted\n"
+
+
+def test_console_script_is_the_guarded_entry_point():
+    import tomllib
+    from pathlib import Path
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["llmopt"] == "llmopt.cli.entry:main"
