@@ -37,6 +37,10 @@ counts cached tokens *including* the ones being computed.
         writes k/v by meta.slot_mapping, then causal attention of packed q (meta.cu_seqlens_q)
         over each sequence's cache: cached prefix + new tokens (chunked prefill, shared prefixes).
 
+Native CPU kernel (`cpu_native`: C in `csrc/`, built with gcc at first use, torch path if it can't be)
+    cpu_native.paged_decode(q, kv_rows, block_tables, context_lens, scale, block_size, max_context)
+        decode attention read in place from a layer's cache rows [slots, K || V]; fp32 / bf16
+
 Every op has a `*_ref` torch twin (rms_norm_ref, w4a16_matmul_ref, paged_attention_ref,
 paged_attention_decode_ref, ...): the test reference and the CPU path. CPU fast paths and
 their numerics (bf16 activations for W4A16/W8A16, fbgemm per-token int8 for W8A8) are

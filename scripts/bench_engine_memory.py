@@ -3,9 +3,12 @@
 Runs --requests short requests (default 2,000) through one `LLMEngine`: prompts are ShareGPT
 prompt slices of 8-64 tokens, 4-16 new tokens each, at most --in-flight running at once, and every
 --abort-every-th request is aborted after its first token (as a client disconnect would). RSS
-(VmRSS) and the number of Python objects the garbage collector tracks are read every --every
-requests after a collection; the first reading, after the warm-up, is the reference, so allocator
-pools and kernel caches filled once do not count as growth. Exits 1 when a block is still in use at the end or RSS grew by more than --max-growth-mib.
+(VmRSS) and the number of Python objects the garbage collector tracks are read after a collection,
+once after --warmup requests have run to completion (the reference) and then every --every of the
+--requests that follow, the last reading once they have all finished. The warm-up ends with a
+drain, so it has seen every batch size from --in-flight down to 1: the oneDNN primitives built once
+per matmul shape (`stages.serve.model.on_row_buckets`) and allocator pools filled once do not count
+as growth. Exits 1 when a block is still in use at the end or RSS grew by more than --max-growth-mib.
 
     python scripts/bench_engine_memory.py smollm2-135m --requests 2000
 """
@@ -43,7 +46,8 @@ def main() -> int:
     parser.add_argument("--in-flight", type=int, default=32)
     parser.add_argument("--abort-every", type=int, default=5)
     parser.add_argument("--every", type=int, default=200, help="read RSS every this many finished requests")
-    parser.add_argument("--warmup", type=int, default=200, help="requests before the reference RSS reading")
+    parser.add_argument("--warmup", type=int, default=200,
+                        help="requests run to completion before the reference RSS reading")
     parser.add_argument("--max-growth-mib", type=float, default=32.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
@@ -64,33 +68,47 @@ def main() -> int:
         start = rng.randint(0, len(ids) - n)
         return ids[start:start + n]
 
-    submitted = finished = aborted = tokens = 0
-    to_abort: set[str] = set()
+    counts = {"submitted": 0, "finished": 0, "aborted": 0, "tokens": 0}
     readings: list[tuple[int, float, int]] = []
+
+    def read(mark: int) -> None:
+        readings.append((mark, rss_mib(), len(gc.get_objects())))
+        print(f"{mark:>6} requests: RSS {readings[-1][1]:.1f} MiB, {readings[-1][2]:,} Python objects, free "
+              f"blocks {engine.stats().num_free_blocks}/{total_blocks}", file=sys.stderr, flush=True)
+
+    def run(n: int, every: int | None) -> None:
+        """Send n more requests (at most --in-flight at once) and step until every one has finished."""
+        last, to_abort = counts["submitted"] + n, set()
+        first = counts["finished"]
+        while counts["finished"] < last:
+            while counts["submitted"] < last and counts["submitted"] - counts["finished"] < args.in_flight:
+                i = counts["submitted"]
+                rid = f"r{i}"
+                engine.add_request(rid, prompt_token_ids=prompt(),
+                                   params=SamplingParams(max_tokens=rng.randint(4, 16), temperature=0.8,
+                                                         seed=i, ignore_eos=True))
+                if i % args.abort_every == args.abort_every - 1:
+                    to_abort.add(rid)
+                counts["submitted"] += 1
+            before = counts["finished"] - first
+            for out in engine.step():
+                counts["tokens"] += len(out.token_ids)
+                if out.finished:
+                    counts["finished"] += 1
+                elif out.request_id in to_abort and out.num_output_tokens >= 1:
+                    to_abort.discard(out.request_id)
+                    if engine.abort(out.request_id) is not None:
+                        counts["finished"], counts["aborted"] = counts["finished"] + 1, counts["aborted"] + 1
+            done = counts["finished"] - first
+            if every and done // every != before // every:
+                read(done // every * every)
+
     start = time.perf_counter()
-    while finished < args.requests:
-        while submitted < args.requests and submitted - finished < args.in_flight:
-            rid = f"r{submitted}"
-            engine.add_request(rid, prompt_token_ids=prompt(),
-                               params=SamplingParams(max_tokens=rng.randint(4, 16), temperature=0.8,
-                                                     seed=submitted, ignore_eos=True))
-            if submitted % args.abort_every == args.abort_every - 1:
-                to_abort.add(rid)
-            submitted += 1
-        before = finished
-        for out in engine.step():
-            tokens += len(out.token_ids)
-            if out.finished:
-                finished += 1
-            elif out.request_id in to_abort and out.num_output_tokens >= 1:
-                to_abort.discard(out.request_id)
-                if engine.abort(out.request_id) is not None:
-                    finished, aborted = finished + 1, aborted + 1
-        mark = finished // args.every * args.every
-        if mark != before // args.every * args.every and mark >= args.warmup:
-            readings.append((mark, rss_mib(), len(gc.get_objects())))
-            print(f"{mark:>6} requests: RSS {readings[-1][1]:.1f} MiB, {readings[-1][2]:,} Python objects, free "
-                  f"blocks {engine.stats().num_free_blocks}/{total_blocks}", file=sys.stderr, flush=True)
+    run(args.warmup, None)  # warm-up, drained: every batch size from 1 to --in-flight has been seen
+    read(0)
+    warm = dict(counts)
+    run(args.requests, args.every)
+    finished, aborted, tokens = (counts[k] - warm[k] for k in ("finished", "aborted", "tokens"))
     seconds = time.perf_counter() - start
     stats = engine.stats()
     growth = readings[-1][1] - readings[0][1] if readings else 0.0

@@ -5,11 +5,13 @@ The runner builds one of these per step from the StepInput; every layer then cal
 computed once here instead of once per layer.
 
 - `KernelAttention` (CUDA): the kernels of `llmopt.kernels` (Triton), one launch per op.
-- `CpuAttention`: torch ops chosen for low per-op overhead. Decode sequences (one new token)
-  are attended in batched SDPA calls over their gathered blocks, grouped by context length so
-  that one long sequence does not pad every short one to its length (`decode_groups`); prefill
-  chunks one sequence at a time (a few per step), a fresh prompt straight from its own k/v
-  without a cache round trip.
+- `CpuAttention`: decode sequences (one new token) go to the native paged-decode kernel
+  (`kernels.cpu_native`, C compiled at first use), which reads every cached row once, in place,
+  whatever the sequences' lengths. Where that kernel cannot run (no compiler, another dtype),
+  they are attended in batched SDPA calls over their gathered blocks, grouped by context length
+  so that one long sequence does not pad every short one to its length (`decode_groups`).
+  Prefill chunks go one sequence at a time (a few per step), a fresh prompt straight from its
+  own k/v without a cache round trip.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llmopt.kernels import PrefillMetadata, apply_rotary, paged_attention_decode, paged_attention_prefill, \
+from llmopt.kernels import PrefillMetadata, cpu_native, apply_rotary, paged_attention_decode, paged_attention_prefill, \
     write_kv_cache
 
 from .batch import StepInput
@@ -53,6 +55,16 @@ class _Decode:
     rows: slice | torch.Tensor  # their rows of the flat batch
     gather: torch.Tensor  # [Bd * L] cache slots of positions 0..L-1 of each (padding: slot of position 0)
     mask: torch.Tensor | None  # [Bd, 1, 1, L] True where a key exists; None when all are L long
+
+
+@dataclass(frozen=True)
+class _Native:
+    """Every decode sequence of the step, for one call of the native kernel."""
+
+    rows: slice | torch.Tensor  # their rows of the flat batch
+    block_tables: torch.Tensor  # [Bd, max_blocks] int32, contiguous
+    context_lens: torch.Tensor  # [Bd] int32
+    max_context: int
 
 
 @dataclass(frozen=True)
@@ -105,6 +117,7 @@ class CpuAttention:
     # A batched decode call's fixed cost in keys: gather + SDPA + scatter of a group took ~60 us
     # more than its keys here, at ~0.15 us per key (fp32 and bf16, 30-layer SmolLM2 shapes).
     GROUP_OVERHEAD_KEYS = 384
+    NATIVE = True  # decode through kernels.cpu_native where it runs (tests switch it off for the torch path)
 
     def __init__(self, step: StepInput, cos_sin_cache: torch.Tensor, scale: float, block_size: int,
                  dtype: torch.dtype):
@@ -113,9 +126,33 @@ class CpuAttention:
         cu, ctx = step.cu_seqlens_q.tolist(), step.context_lens.tolist()
         q_lens = [cu[i + 1] - cu[i] for i in range(len(ctx))]
         single = [i for i, n in enumerate(q_lens) if n == 1]
-        groups = decode_groups([ctx[i] for i in single], self.GROUP_OVERHEAD_KEYS) if single else []
-        self.decodes = [self._plan_decode(step, [single[j] for j in sorted(g)], cu, ctx) for g in groups]
+        self.native = None
+        if single and self.NATIVE and cpu_native.supports(dtype):
+            self.native = self._plan_native(step, single, cu, ctx)
+        self._decode_plan = (step, single, cu, ctx)
+        self._decodes = None
         self.prefills = [self._plan_prefill(step, i, cu[i], cu[i + 1], ctx[i]) for i, n in enumerate(q_lens) if n > 1]
+
+    @property
+    def decodes(self) -> list[_Decode]:
+        """The torch path's decode groups, planned on first use (the native kernel needs none)."""
+        if self._decodes is None:
+            step, single, cu, ctx = self._decode_plan
+            groups = decode_groups([ctx[i] for i in single], self.GROUP_OVERHEAD_KEYS) if single else []
+            self._decodes = [self._plan_decode(step, [single[j] for j in sorted(g)], cu, ctx) for g in groups]
+        return self._decodes
+
+    @staticmethod
+    def _plan_native(step, single: list[int], cu: list[int], ctx: list[int]) -> _Native:
+        device = step.block_tables.device
+        if len(single) == len(ctx):  # every sequence decodes: rows 0..B-1, tables as they are
+            rows, tables, lens = slice(0, len(ctx)), step.block_tables, step.context_lens
+        else:
+            idx = torch.tensor(single, dtype=torch.long, device=device)
+            rows = _as_rows([cu[i] for i in single], device)
+            tables, lens = step.block_tables.index_select(0, idx), step.context_lens.index_select(0, idx)
+        return _Native(rows, tables.to(torch.int32).contiguous(), lens.to(torch.int32).contiguous(),
+                       max(ctx[i] for i in single))
 
     @staticmethod
     def _rope_rows(positions, cos_sin_cache, dtype):
@@ -161,14 +198,23 @@ class CpuAttention:
         then attention of q [T, Hq, D] (k, v [T, Hk, D] are views of kv); returns [T, Hq, D]."""
         flat = kv_cache.view(-1, kv.shape[1])  # [slots, 2 * Hk * D]: one row per cached token
         flat.index_copy_(0, self.slot_mapping, kv)
-        if len(self.decodes) == 1 and not self.prefills:
+        native = self.native if self.native is not None and flat.dtype == q.dtype else None
+        if native is not None and not self.prefills:
+            return self._attend_native(q, flat, native)
+        if native is None and len(self.decodes) == 1 and not self.prefills:
             return self._attend_decode(q, flat, self.decodes[0])
         out = torch.empty_like(q)
-        for plan in self.decodes:
+        if native is not None:
+            out[native.rows] = self._attend_native(q[native.rows], flat, native)
+        for plan in self.decodes if native is None else ():
             out[plan.rows] = self._attend_decode(q[plan.rows], flat, plan)
         for p in self.prefills:
             out[p.rows] = self._attend_prefill(q[p.rows], k[p.rows], v[p.rows], flat, p)
         return out
+
+    def _attend_native(self, q, flat, plan: _Native):
+        return cpu_native.paged_decode(q, flat, plan.block_tables, plan.context_lens, self.scale, self.block_size,
+                                       plan.max_context)
 
     def _attend_decode(self, q, flat, plan: _Decode):
         bd, hq, d = q.shape

@@ -3,11 +3,13 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from llmopt.kernels import cpu_native
 from llmopt.stages.errors import ConfigError
 from llmopt.stages.serve.attention import CpuAttention, decode_groups
 from llmopt.stages.serve.loader import load_runtime
-from llmopt.stages.serve.model import SUPPORTED_ARCHITECTURES, spec_from_config
+from llmopt.stages.serve.model import ROW_CHUNK, SUPPORTED_ARCHITECTURES, DenseLinear, row_bucket, spec_from_config
 from llmopt.stages.serve.runner import ModelRunner
 from tests.serve.runner_steps import Sequences, hf_last_logits, save_hf
 
@@ -105,7 +107,12 @@ def test_mixed_batch_prefill_chunks_and_decodes(pair):
         _check(out, model, seqs, [s for s, _ in work])
 
 
-def test_decode_batch_of_unequal_contexts(pair):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_decode_batch_of_unequal_contexts(pair, native, monkeypatch):
+    # the native kernel (C, in place) and the torch path (gathered blocks, SDPA) against transformers
+    monkeypatch.setattr(CpuAttention, "NATIVE", native)
+    if native:
+        assert cpu_native.available(), cpu_native.why_unavailable()
     model, runtime = pair
     runner, seqs = ModelRunner(runtime, 64, 4), Sequences(64, 4, seed=7)
     ids = [seqs.add(_tokens(n, n)) for n in (3, 11, 6)]
@@ -127,8 +134,9 @@ def test_decode_groups_split_where_padding_costs_more_than_a_call():
 
 
 def test_decode_batch_split_into_length_groups(pair, monkeypatch):
-    # every decode its own group (overhead 0), mixed with a prefill chunk: rows scattered back in place
+    # torch path, every decode its own group (overhead 0), mixed with a prefill chunk: rows scattered back
     monkeypatch.setattr(CpuAttention, "GROUP_OVERHEAD_KEYS", 0)
+    monkeypatch.setattr(CpuAttention, "NATIVE", False)
     model, runtime = pair
     runner, seqs = ModelRunner(runtime, 96, 4), Sequences(96, 4, seed=9)
     ids = [seqs.add(_tokens(n, 20 + n)) for n in (3, 41, 6, 29, 17)]
@@ -187,3 +195,31 @@ def test_prefill_after_a_shared_cached_prefix(pair):
     b = seqs.share_prefix(a, 3, _tokens(6, 4))  # 12 cached tokens, 6 new ones
     c = seqs.share_prefix(a, 3, _tokens(1, 5))  # only its last token is new: the decode path
     _check(runner.execute(seqs.step([(b, 6), (c, 1)])), model, seqs, [b, c])
+
+
+def test_row_buckets_are_few_and_pad_little():
+    buckets = {row_bucket(m) for m in range(1, ROW_CHUNK + 1)}
+    assert len(buckets) == 44 and max(buckets) == ROW_CHUNK
+    assert all(row_bucket(m) == m for m in range(1, 17))  # small decode batches: exact
+    for m in range(1, ROW_CHUNK + 1):
+        assert m <= row_bucket(m) <= m * (1.125 if m <= 64 else 1.25)
+        assert row_bucket(row_bucket(m)) == row_bucket(m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_linear_on_row_buckets_matches_f_linear(dtype):
+    # padded rows and 512-row chunks must not change any real row
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(48, 40, generator=g).to(dtype), torch.randn(48, generator=g).to(dtype)
+    layer = DenseLinear.of(weight, bias).prepare_cpu()
+    calls = []
+    inner = layer._onednn
+    layer._onednn = lambda x: calls.append(x.shape[0]) or inner(x)
+    for rows in (1, 2, 17, 33, 100, 513, 1100):
+        x = torch.randn(rows, 40, generator=g).to(dtype)
+        y = layer(x)
+        assert y.shape == (rows, 48)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(y.float(), F.linear(x, weight, bias).float(), rtol=tol, atol=tol)
+    assert set(calls) <= {row_bucket(m) for m in range(1, ROW_CHUNK + 1)}
+    assert {18, 36, 112, 512} <= set(calls)  # 17, 33 and 100 rows padded; 1,100 split into 512s plus a rest
