@@ -7,7 +7,8 @@ once, straight from its block.
 
 The library is built once per source and machine (`gcc -O3 -march=native -fopenmp -ffast-math`, then
 linked without -ffast-math so that loading it leaves the process's denormal handling alone; about a
-second) into `$LLMOPT_CACHE_DIR/native` (default `~/.cache/llmopt/native`), named by a hash of the
+second) into `$LLMOPT_CACHE_DIR/native` (default `~/.cache/llmopt/native`; the temporary directory
+where that is not writable), named by a hash of the
 source, the flags and the CPU's feature flags, written to a temporary name and renamed, so
 concurrent first uses and interrupted builds never leave a half-written library. OpenMP binds to
 the libgomp torch has already loaded (same soname), so the kernel uses torch's thread pool and
@@ -58,10 +59,19 @@ def _cpu_flags() -> str:
 def _build(compiler: str) -> Path:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS, *LINK, *LIBS, platform.machine(), _cpu_flags()]).encode())
-    target = cache_dir() / "native" / f"llmopt_cpu_{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    name = f"llmopt_cpu_{key.hexdigest()[:16]}.so"
+    for folder in (cache_dir() / "native", Path(tempfile.gettempdir()) / f"llmopt-native-{os.getuid()}"):
+        target = folder / name
+        if target.exists():
+            return target
+        try:  # a read-only home (some CI runners) falls back to the temporary directory
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                break
+        except OSError:
+            continue
+    else:
+        raise OSError(f"no writable folder for the native library ({cache_dir() / 'native'} or the temp dir)")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     obj = tmp[:-3] + ".o"
