@@ -5,6 +5,9 @@
 #   2. triton.testing.do_bench medians: w4a16 / w8a16 / w8a8 at M in {1, 16, 64} on 4096x4096
 #      and 4096x14336 against cuBLAS fp16, and paged decode attention (batch 32, context 2048)
 #      as a share of the HBM bandwidth measured in the same run.
+#   3. the serve engine (scripts/gpu_engine_check.py) on a synthetic Llama-3-8B-shaped model of 4
+#      random layers, built in the script: decode tokens/s at batch 1 and 32 and the share of the
+#      copy bandwidth its bytes per step reach.
 # Usage: scripts/gpu_check.sh            (PYTHON=... to pick the interpreter; the log also goes
 #        to $OUT/gpu_check.log when OUT is set)
 set -euo pipefail
@@ -73,6 +76,8 @@ kv_bytes = 2 * k_cache.nbytes
 print(f"\npaged decode attention, batch {batch}, context {ctx}, {hq}/{hk} heads x {d}, block {bs}, fp16: "
       f"{t:.1f} us, {kv_bytes / (t * 1e-6) / 1e9:.0f} GB/s = {100 * kv_bytes / (t * 1e-6) / 1e9 / hbm:.0f}% of HBM")
 EOF
+echo "== engine: synthetic Llama-3-8B shapes, 4 layers, bf16 =="
+timeout 150 "$PY" scripts/gpu_engine_check.py --json "${OUT:-/tmp}/gpu_engine_check.json" || status=$?
 echo "gpu_check exit status: $status"
 exit "$status"
 } 2>&1 | tee "$LOG"
