@@ -214,6 +214,32 @@ def on_row_buckets(matmul, x: torch.Tensor) -> torch.Tensor:
     return matmul(xp)[:rows]
 
 
+def prebuild_row_buckets(runtime: nn.Module, max_tokens: int, max_logit_rows: int) -> int:
+    """Run every CPU (oneDNN) dense weight shape of `runtime` once at each row bucket a step can produce,
+    on zeros, so that the primitives oneDNN keeps per shape are all built now: memory is then taken
+    once at start-up, like the KV cache, instead of creeping up as serving meets new batch sizes.
+
+    Primitives belong to shapes, not weights, so one layer of each distinct shape is run: the decoder
+    projections up to `max_tokens` rows (a step's token budget; more is split into ROW_CHUNK calls),
+    the lm_head up to `max_logit_rows` (one row per sequence). Returns the number of calls made.
+    SmolLM2-135M, fp32, budgets 2,048 / 256: 212 calls, about a second here.
+    """
+    seen, calls = set(), 0
+    for name, module in runtime.named_modules():
+        if not isinstance(module, DenseLinear) or module.packed is None:
+            continue
+        w = module.weight
+        key = (tuple(w.shape), w.dtype, module.bias is None)
+        if key in seen:
+            continue
+        seen.add(key)
+        limit = min(max_logit_rows if name == "lm_head" else max_tokens, ROW_CHUNK)
+        for rows in sorted({row_bucket(m) for m in range(2, limit + 1)}):
+            module(torch.zeros(rows, w.shape[1], dtype=w.dtype))
+            calls += 1
+    return calls
+
+
 class ConcatLinear(nn.Module):
     """Projections that could not be fused (mixed quantization schemes): outputs concatenated."""
 

@@ -18,7 +18,7 @@ import torch
 from ..errors import ConfigError
 from .attention import attention_for
 from .batch import StepInput
-from .model import ModelSpec, Runtime
+from .model import ModelSpec, Runtime, prebuild_row_buckets
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
@@ -97,6 +97,14 @@ class ModelRunner:
         self.kv_caches = list(self.kv_cache)
         self.k_caches, self.v_caches = [c[:, :, 0] for c in self.kv_caches], [c[:, :, 1] for c in self.kv_caches]
         self.scale, self.kernels = spec.head_dim ** -0.5, kernels
+
+    @torch.inference_mode()
+    def prebuild_matmuls(self, max_tokens: int, max_seqs: int) -> int:
+        """CPU: build oneDNN's per-shape matmul primitives for every row bucket now (see
+        `model.prebuild_row_buckets`), so RSS does not grow while serving. CUDA / kernels: nothing."""
+        if self.kv_cache.device.type != "cpu" or self.kernels:
+            return 0
+        return prebuild_row_buckets(self.runtime, max_tokens, max_seqs)
 
     @classmethod
     def with_memory(cls, runtime: Runtime, kv_cache_memory, block_size: int = 16, kv_dtype=None) -> "ModelRunner":

@@ -9,7 +9,8 @@ from llmopt.kernels import cpu_native
 from llmopt.stages.errors import ConfigError
 from llmopt.stages.serve.attention import CpuAttention, decode_groups
 from llmopt.stages.serve.loader import load_runtime
-from llmopt.stages.serve.model import ROW_CHUNK, SUPPORTED_ARCHITECTURES, DenseLinear, row_bucket, spec_from_config
+from llmopt.stages.serve.model import ROW_CHUNK, SUPPORTED_ARCHITECTURES, DenseLinear, prebuild_row_buckets, row_bucket, \
+    spec_from_config
 from llmopt.stages.serve.runner import ModelRunner
 from tests.serve.runner_steps import Sequences, hf_last_logits, save_hf
 
@@ -223,3 +224,31 @@ def test_dense_linear_on_row_buckets_matches_f_linear(dtype):
         torch.testing.assert_close(y.float(), F.linear(x, weight, bias).float(), rtol=tol, atol=tol)
     assert set(calls) <= {row_bucket(m) for m in range(1, ROW_CHUNK + 1)}
     assert {18, 36, 112, 512} <= set(calls)  # 17, 33 and 100 rows padded; 1,100 split into 512s plus a rest
+
+
+def test_prebuild_runs_each_weight_shape_once_per_bucket(tmp_path, monkeypatch):
+    # one module per distinct shape (primitives are per shape), layers up to the token budget, lm_head
+    # up to the sequence count; afterwards a step's matmuls meet only row counts already run
+    runtime, _, _ = load_runtime(str(save_hf(build_hf("llama-untied"), tmp_path)))
+    seen: dict[tuple, list[int]] = {}
+    real = DenseLinear._onednn
+
+    def record(self, x):
+        seen.setdefault((tuple(self.weight.shape), self is runtime.lm_head), []).append(x.shape[0])
+        return real(self, x)
+
+    monkeypatch.setattr(DenseLinear, "_onednn", record)
+    calls = prebuild_row_buckets(runtime, max_tokens=40, max_logit_rows=6)
+    shapes = {(tuple(m.weight.shape), m is runtime.lm_head) for m in runtime.modules() if isinstance(m, DenseLinear)}
+    assert set(seen) == shapes
+    for (shape, is_head), rows in seen.items():
+        limit = 6 if is_head else 40
+        assert rows == sorted({row_bucket(m) for m in range(2, limit + 1)}), shape
+    assert calls == sum(len(r) for r in seen.values())
+    built = {key: set(rows) for key, rows in seen.items()}
+    seen.clear()
+    runner, seqs = ModelRunner(runtime, 64, 4), Sequences(64, 4, seed=3)
+    ids = [seqs.add(_tokens(n, n)) for n in (9, 13, 5)]
+    runner.execute(seqs.step([(s, len(seqs.tokens[s]) - 2) for s in ids]))  # 21 rows; logits for 3
+    runner.execute(seqs.step([(s, 1) for s in ids]))
+    assert seen and all(set(rows) <= built[key] for key, rows in seen.items())

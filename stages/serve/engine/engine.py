@@ -65,6 +65,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(t for t in eos if t is not None)
         self.vocab_size = _vocab_size(runner, tokenizer)
         self._requests: dict[str, _Request] = {}
+        prebuild = getattr(runner, "prebuild_matmuls", None)  # CPU: every matmul shape a step can produce
+        if prebuild is not None:
+            prebuild(self.config.max_num_batched_tokens, self.config.seqs_per_step)
 
     # --- requests -------------------------------------------------------------------------
     def make_sequence(self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None,
