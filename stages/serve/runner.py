@@ -101,8 +101,10 @@ class ModelRunner:
     @torch.inference_mode()
     def prebuild_matmuls(self, max_tokens: int, max_seqs: int) -> int:
         """CPU: build oneDNN's per-shape matmul primitives for every row bucket now (see
-        `model.prebuild_row_buckets`), so RSS does not grow while serving. CUDA / kernels: nothing."""
-        if self.kv_cache.device.type != "cpu" or self.kernels:
+        `model.prebuild_row_buckets`), so RSS does not grow while serving. CUDA / kernels: nothing.
+        The cost grows with one layer's size times the buckets (seconds for SmolLM2, tens for an 8B
+        model): `LLMOPT_PREBUILD=0` skips it, and memory then grows as new batch sizes are met."""
+        if self.kv_cache.device.type != "cpu" or self.kernels or os.environ.get("LLMOPT_PREBUILD", "1") == "0":
             return 0
         return prebuild_row_buckets(self.runtime, max_tokens, max_seqs)
 

@@ -252,3 +252,11 @@ def test_prebuild_runs_each_weight_shape_once_per_bucket(tmp_path, monkeypatch):
     runner.execute(seqs.step([(s, len(seqs.tokens[s]) - 2) for s in ids]))  # 21 rows; logits for 3
     runner.execute(seqs.step([(s, 1) for s in ids]))
     assert seen and all(set(rows) <= built[key] for key, rows in seen.items())
+
+
+def test_prebuild_can_be_switched_off(tmp_path, monkeypatch):
+    runtime, _, _ = load_runtime(str(save_hf(build_hf("llama-untied"), tmp_path)))
+    runner = ModelRunner(runtime, 16, 4)
+    assert runner.prebuild_matmuls(32, 4) > 0
+    monkeypatch.setenv("LLMOPT_PREBUILD", "0")
+    assert runner.prebuild_matmuls(32, 4) == 0
