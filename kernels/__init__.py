@@ -38,7 +38,7 @@ counts cached tokens *including* the ones being computed.
         over each sequence's cache: cached prefix + new tokens (chunked prefill, shared prefixes).
 
 Native CPU kernel (`cpu_native`: C in `csrc/`, built with gcc at first use, torch path if it can't be)
-    cpu_native.paged_decode(q, kv_rows, block_tables, context_lens, scale, block_size, max_context)
+    cpu_native.paged_decode(q, kv_rows, block_tables, context_lens, scale, block_size)
         decode attention read in place from a layer's cache rows [slots, K || V]; fp32 / bf16
 
 Every op has a `*_ref` torch twin (rms_norm_ref, w4a16_matmul_ref, paged_attention_ref,

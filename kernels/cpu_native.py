@@ -47,13 +47,12 @@ def cache_dir() -> Path:
 
 
 def _cpu_flags() -> str:
+    """The CPU's feature line, part of the build key: -march=native code is valid only on such a CPU."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:  # no procfs (not Linux): the processor name stands in
+        return platform.processor()
+    return next((line for line in text.splitlines() if line.startswith("flags")), platform.processor())
 
 
 def _build(compiler: str) -> Path:
@@ -108,7 +107,7 @@ def _library() -> ctypes.CDLL | None:
     for name in _FUNCTIONS.values():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
-        fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]
+        fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float]
     return lib
 
 
@@ -126,12 +125,12 @@ def supports(dtype: torch.dtype) -> bool:
 
 
 def paged_decode(q: torch.Tensor, kv_rows: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 scale: float, block_size: int, max_context: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                 scale: float, block_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged cache, read in place.
 
     q [B, Hq, D] (heads and dim contiguous; any token stride); kv_rows [slots, 2 * Hk * D] contiguous, a
     layer's cache with one row K || V per slot (slot = block * block_size + offset); block_tables
-    [B, max_blocks] int32 with contiguous rows; context_lens [B] int32 contiguous, each <= max_context.
+    [B, max_blocks] int32 with contiguous rows; context_lens [B] int32 contiguous.
     Returns out [B, Hq, D] in q's dtype (fp32 or bf16, the cache's dtype too).
     """
     lib = _library()
@@ -155,7 +154,7 @@ def paged_decode(q: torch.Tensor, kv_rows: torch.Tensor, block_tables: torch.Ten
     rc = getattr(lib, _FUNCTIONS[q.dtype])(
         q.data_ptr(), q.stride(0), kv_rows.data_ptr(), kv_rows.stride(0), block_tables.data_ptr(),
         block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), out.stride(0), b, hq, hk, d, block_size,
-        scale, max_context)
+        scale)
     if rc:
         raise ValueError(f"paged_decode: unsupported shape (heads {hq}/{hk}, head dim {d} > 1024)"
                          if rc == 1 else "paged_decode: out of memory for the score buffer")

@@ -98,8 +98,7 @@ DEFINE_SEQUENCE(NAME##_d128, T, LOAD, STORE, 128)                               
 DEFINE_SEQUENCE(NAME##_any, T, LOAD, STORE, dim_arg)                                                   \
 int NAME(const T *q, int64_t q_stride, const T *kv, int64_t row_stride, const int32_t *block_tables,   \
          int64_t bt_stride, const int32_t *context_lens, T *out, int64_t out_stride, int64_t num_seqs, \
-         int64_t hq, int64_t hk, int64_t dim, int64_t block_size, float scale, int64_t max_ctx) {    \
-    (void)max_ctx;                                                                                     \
+         int64_t hq, int64_t hk, int64_t dim, int64_t block_size, float scale) {                     \
     if (hk <= 0 || hq % hk || dim <= 0 || dim > 1024) return 1;                                        \
     int failed = 0;                                                                                    \
     _Pragma("omp parallel")                                                                            \

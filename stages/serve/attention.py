@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llmopt.kernels import PrefillMetadata, cpu_native, apply_rotary, paged_attention_decode, paged_attention_prefill, \
+from llmopt.kernels import PrefillMetadata, apply_rotary, cpu_native, paged_attention_decode, paged_attention_prefill, \
     write_kv_cache
 
 from .batch import StepInput
@@ -64,7 +64,6 @@ class _Native:
     rows: slice | torch.Tensor  # their rows of the flat batch
     block_tables: torch.Tensor  # [Bd, max_blocks] int32, contiguous
     context_lens: torch.Tensor  # [Bd] int32
-    max_context: int
 
 
 @dataclass(frozen=True)
@@ -151,8 +150,7 @@ class CpuAttention:
             idx = torch.tensor(single, dtype=torch.long, device=device)
             rows = _as_rows([cu[i] for i in single], device)
             tables, lens = step.block_tables.index_select(0, idx), step.context_lens.index_select(0, idx)
-        return _Native(rows, tables.to(torch.int32).contiguous(), lens.to(torch.int32).contiguous(),
-                       max(ctx[i] for i in single))
+        return _Native(rows, tables.to(torch.int32).contiguous(), lens.to(torch.int32).contiguous())
 
     @staticmethod
     def _rope_rows(positions, cos_sin_cache, dtype):
@@ -213,8 +211,7 @@ class CpuAttention:
         return out
 
     def _attend_native(self, q, flat, plan: _Native):
-        return cpu_native.paged_decode(q, flat, plan.block_tables, plan.context_lens, self.scale, self.block_size,
-                                       plan.max_context)
+        return cpu_native.paged_decode(q, flat, plan.block_tables, plan.context_lens, self.scale, self.block_size)
 
     def _attend_decode(self, q, flat, plan: _Decode):
         bd, hq, d = q.shape

@@ -40,13 +40,13 @@ def test_matches_torch_twin_fp32(hq, hk, d, block_size):
     q, cache, tables, lens = _case([1, 5, block_size, 3 * block_size + 1, 70], hq, hk, d, block_size, torch.float32,
                                    token_stride_pad=2 * hk * d)
     scale = d ** -0.5
-    out = cpu_native.paged_decode(q, cache.view(-1, 2 * hk * d), tables, lens, scale, block_size, 70)
+    out = cpu_native.paged_decode(q, cache.view(-1, 2 * hk * d), tables, lens, scale, block_size)
     torch.testing.assert_close(out, _reference(q, cache, tables, lens, scale), rtol=1e-5, atol=1e-5)
 
 
 def test_matches_torch_twin_bf16():
     q, cache, tables, lens = _case([2, 17, 40, 129], 9, 3, 64, 16, torch.bfloat16, seed=3)
-    out = cpu_native.paged_decode(q, cache.view(-1, 384), tables, lens, 0.125, 16, 129)
+    out = cpu_native.paged_decode(q, cache.view(-1, 384), tables, lens, 0.125, 16)
     assert out.dtype == torch.bfloat16
     ref = _reference(q, cache, tables, lens, 0.125)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)  # a bf16 rounding or two
@@ -62,7 +62,7 @@ def test_large_scores_stay_finite_and_peak_where_the_key_matches():
     block, offset = int(tables[0, 47 // 4]), 47 % 4
     cache[block, offset, 0, 0, 0] = 1.0  # position 47 is the only key with a positive score
     cache[block, offset, 1, 0, :] = 7.0
-    out = cpu_native.paged_decode(q, cache.view(-1, 128), tables, lens, 1.0, 4, 50)
+    out = cpu_native.paged_decode(q, cache.view(-1, 128), tables, lens, 1.0, 4)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, torch.full_like(out, 7.0))
 
@@ -78,11 +78,11 @@ def test_loading_the_library_keeps_denormals():
 def test_bad_inputs_are_refused_with_a_message():
     q, cache, tables, lens = _case([5], 9, 3, 64, 4, torch.float32)
     with pytest.raises(ValueError, match="share dtype"):
-        cpu_native.paged_decode(q, cache.view(-1, 384).to(torch.bfloat16), tables, lens, 0.1, 4, 5)
+        cpu_native.paged_decode(q, cache.view(-1, 384).to(torch.bfloat16), tables, lens, 0.1, 4)
     with pytest.raises(ValueError, match="int32"):
-        cpu_native.paged_decode(q, cache.view(-1, 384), tables.long(), lens, 0.1, 4, 5)
+        cpu_native.paged_decode(q, cache.view(-1, 384), tables.long(), lens, 0.1, 4)
     with pytest.raises(ValueError, match="do not fit"):
-        cpu_native.paged_decode(q, cache.view(-1, 384)[:, :300], tables, lens, 0.1, 4, 5)
+        cpu_native.paged_decode(q, cache.view(-1, 384)[:, :300], tables, lens, 0.1, 4)
 
 
 def _probe(env):
