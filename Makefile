@@ -36,9 +36,11 @@ bench: $(STAMP)
 	PY=$(PY) bash scripts/bench.sh
 
 # the serve engine offline (base, W8A16, W4A16) vs transformers generate in static batches of 8,
-# first 100 ShareGPT prompts; then 2,000 short requests with aborts: blocks all freed, RSS flat
+# first 100 ShareGPT prompts; batch-1 decode (one request at a time) vs transformers generate;
+# then 2,000 short requests with aborts: blocks all freed, RSS flat
 bench-engine: $(STAMP)
 	PY=$(PY) bash scripts/bench.sh artifacts
+	$(PY) scripts/bench_decode.py out/bench/base out/bench/w8a16 out/bench/w4a16 --json bench-results/decode.json
 	$(PY) scripts/bench_engine.py out/bench/base --also out/bench/w8a16 out/bench/w4a16 --json bench-results/engine.json
 	$(PY) scripts/bench_engine_memory.py out/bench/base --json bench-results/engine-memory.json
 

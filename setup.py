@@ -17,5 +17,5 @@ for root in ROOTS:
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"llmopt.recipes": ["*.yaml"], "llmopt.kernels": ["csrc/*.c"]},
+    package_data={"llmopt.recipes": ["*.yaml"], "llmopt.kernels": ["csrc/*.c", "csrc/*.h"]},
 )

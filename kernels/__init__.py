@@ -37,9 +37,14 @@ counts cached tokens *including* the ones being computed.
         writes k/v by meta.slot_mapping, then causal attention of packed q (meta.cu_seqlens_q)
         over each sequence's cache: cached prefix + new tokens (chunked prefill, shared prefixes).
 
-Native CPU kernel (`cpu_native`: C in `csrc/`, built with gcc at first use, torch path if it can't be)
+Native CPU kernels (`cpu_native`: C in `csrc/`, built with gcc at first use, torch path if it can't be)
     cpu_native.paged_decode(q, kv_rows, block_tables, context_lens, scale, block_size)
         decode attention read in place from a layer's cache rows [slots, K || V]; fp32 / bf16
+    cpu_native.gemv(x, DenseWeight(w), bias) / gemv_w4(x, Int4Weight(q, scales, zeros, group), bias)
+        decode-sized matmuls (AVX-512) on weights tiled once at load time, streamed once per call;
+        batch-invariant; fp32 arithmetic (W4A16 too)
+    cpu_native.add_rms_norm / silu_mul / rope_: a layer's small ops, one call each
+    cpu_native.DecodeLayers(...).run(...): every decoder layer of a decode step in one call
 
 Every op has a `*_ref` torch twin (rms_norm_ref, w4a16_matmul_ref, paged_attention_ref,
 paged_attention_decode_ref, ...): the test reference and the CPU path. CPU fast paths and

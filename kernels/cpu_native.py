@@ -31,7 +31,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = [_CSRC / name for name in ("paged_decode.c", "gemv.c", "ops.c", "layer.c")]
+HEADERS = [_CSRC / "llmopt.h"]
 # Compiled with -ffast-math (vectorised reductions and expf), linked without it: linked with it, gcc adds
 # crtfastmath.o, which switches the whole process to flush-denormals-to-zero when the library loads.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC"]
@@ -39,6 +41,20 @@ LINK = ["-shared", "-fopenmp"]
 LIBS = ["-lm"]  # vectorised expf comes from libmvec
 _FUNCTIONS = {torch.float32: "llmopt_paged_decode_f32", torch.bfloat16: "llmopt_paged_decode_bf16"}
 _reason: str | None = None
+
+
+def _traced(fn):
+    """Show the call as `llmopt::<name>` under torch.profiler (which cannot see into ctypes calls); free when
+    no profiler runs."""
+    label = f"llmopt::{fn.__qualname__.strip('_')}"
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not torch.autograd.profiler._is_profiler_enabled:
+            return fn(*args, **kwargs)
+        with torch.profiler.record_function(label):
+            return fn(*args, **kwargs)
+    return call
 
 
 def cache_dir() -> Path:
@@ -56,7 +72,7 @@ def _cpu_flags() -> str:
 
 
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS, *LINK, *LIBS, platform.machine(), _cpu_flags()]).encode())
     name = f"llmopt_cpu_{key.hexdigest()[:16]}.so"
     for folder in (cache_dir() / "native", Path(tempfile.gettempdir()) / f"llmopt-native-{os.getuid()}"):
@@ -73,16 +89,17 @@ def _build(compiler: str) -> Path:
         raise OSError(f"no writable folder for the native library ({cache_dir() / 'native'} or the temp dir)")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    obj = tmp[:-3] + ".o"
+    objs = [f"{tmp[:-3]}-{path.stem}.o" for path in SOURCES]
     try:
-        for command in ([compiler, *FLAGS, "-c", str(SOURCE), "-o", obj], [compiler, *LINK, obj, "-o", tmp, *LIBS]):
+        commands = [[compiler, *FLAGS, "-c", str(path), "-o", obj] for path, obj in zip(SOURCES, objs)]
+        for command in [*commands, [compiler, *LINK, *objs, "-o", tmp, *LIBS]]:
             result = subprocess.run(command, capture_output=True, text=True, timeout=300)
             if result.returncode != 0:
                 raise OSError(f"{compiler} failed: {result.stderr.strip().splitlines()[-1:] or result.returncode}")
         ctypes.CDLL(tmp)  # resolves every symbol now: a library that cannot load is never cached
         os.replace(tmp, target)
     finally:
-        for path in (tmp, obj):
+        for path in (tmp, *objs):
             if os.path.exists(path):
                 os.unlink(path)
     return target
@@ -108,6 +125,21 @@ def _library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+    i32 = ctypes.c_int
+    lib.llmopt_gemv_fast.restype = i32
+    lib.llmopt_gemv_fast.argtypes = []
+    lib.llmopt_gemv_dense.restype = i32
+    lib.llmopt_gemv_dense.argtypes = [ptr, i64, ptr, i32, ptr, ptr, i64, i32, i64, i64, i64]
+    lib.llmopt_gemv_w4.restype = i32
+    lib.llmopt_gemv_w4.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i32, i64, i64, i64]
+    for name, args in (("llmopt_add_rms_norm", [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, i32]),
+                        ("llmopt_silu_mul", [ptr, i64, ptr, i64, i64, i64, i32]),
+                        ("llmopt_rope", [ptr, i64, ptr, i64, i64, i64, i64, i32])):
+        getattr(lib, name).restype = i32
+        getattr(lib, name).argtypes = args
+    lib.llmopt_decode_layers.restype = i32
+    lib.llmopt_decode_layers.argtypes = [ptr, i64, ptr, ptr, i64, i32, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
+                                         ptr, ptr, i64, ptr, i64, ptr, i64, ctypes.c_float]
     return lib
 
 
@@ -124,6 +156,7 @@ def supports(dtype: torch.dtype) -> bool:
     return dtype in _FUNCTIONS and available()
 
 
+@_traced
 def paged_decode(q: torch.Tensor, kv_rows: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                  scale: float, block_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged cache, read in place.
@@ -159,3 +192,233 @@ def paged_decode(q: torch.Tensor, kv_rows: torch.Tensor, block_tables: torch.Ten
         raise ValueError(f"paged_decode: unsupported shape (heads {hq}/{hk}, head dim {d} > 1024)"
                          if rc == 1 else "paged_decode: out of memory for the score buffer")
     return out
+
+
+# --- GEMV (csrc/gemv.c): decode-sized matmuls, the weight streamed once ---------------------------------
+_ELEM = {torch.float32: 0, torch.bfloat16: 1}
+# Up to this many rows the native GEMVs beat oneDNN (dense) and torch's int4 kernel (W4) on SmolLM2's
+# shapes, 30 layers + lm_head streamed from memory, 2 threads (fp32: 21 vs 28 ms at 1 row, 26 vs 28 at 4;
+# bf16: 11 vs 16 at 1, 16 vs 14 at 4; int4: 4.2-5.0 vs 5.0-5.5 at 1, 5.2-5.6 vs 5.8-6.3 at 2).
+GEMV_MAX_ROWS = {torch.float32: 4, torch.bfloat16: 2}
+W4_MAX_ROWS = 2
+
+
+def gemv_available() -> bool:
+    """The library loaded and was built with its AVX-512 paths (elsewhere the torch kernels are faster)."""
+    lib = _library()
+    return lib is not None and bool(lib.llmopt_gemv_fast())
+
+
+def _check_rows(x: torch.Tensor, k: int, name: str) -> None:
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in _ELEM or x.device.type != "cpu":
+        raise ValueError(f"{name}: x must be a CPU fp32/bf16 [M, {k}] matrix with unit column stride, "
+                         f"got {x.dtype} {tuple(x.shape)}")
+
+
+def _bias_ptr(bias: torch.Tensor | None, n: int, name: str) -> int | None:
+    if bias is None:
+        return None
+    if bias.dtype != torch.float32 or not bias.is_contiguous() or bias.numel() != n:
+        raise ValueError(f"{name}: bias must be a contiguous fp32 vector of {n}")
+    return bias.data_ptr()
+
+
+TILE_ROWS = 4  # output rows per tile (csrc/gemv.c)
+
+
+def _run_gemv(name: str, x: torch.Tensor, weight, call) -> torch.Tensor:
+    """Check x against the weight, allocate y [M, N] in x's dtype, run `call(lib, y)` (0: done)."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"{name}: {why_unavailable()}")
+    _check_rows(x, weight.in_features, name)
+    y = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
+    if x.shape[0] and call(lib, y):
+        raise MemoryError(f"{name}: out of memory for its buffers")
+    return y
+
+
+def _tiles(w: torch.Tensor, step: int) -> torch.Tensor:
+    """[N, K] -> [N4 / 4, K' / step, 4, step]: tiles of 4 rows, inputs in steps, zero-padded to whole ones."""
+    n, k = w.shape
+    n4, kp = -(-n // TILE_ROWS) * TILE_ROWS, -(-k // step) * step
+    if (n4, kp) != (n, k):
+        w = torch.nn.functional.pad(w, (0, kp - k, 0, n4 - n))
+    return w.reshape(n4 // TILE_ROWS, TILE_ROWS, kp // step, step).transpose(1, 2).contiguous()
+
+
+class DenseWeight:
+    """An fp32 or bf16 weight [N, K] stored once in csrc/gemv.c's tiled layout (a copy: the caller keeps the
+    original for its other kernels)."""
+
+    def __init__(self, weight: torch.Tensor):
+        if weight.dim() != 2 or weight.dtype not in _ELEM:
+            raise ValueError(f"DenseWeight: an fp32/bf16 [N, K] matrix is needed, got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.tiles = _tiles(weight.detach().cpu(), 16)
+
+
+@_traced
+def gemv(x: torch.Tensor, weight: DenseWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ W.T (+ bias, fp32) -> [M, N] in x's dtype, for a DenseWeight W (fp32 or bf16).
+
+    Reads the weight once whatever M is; each output's arithmetic is the same for every M (batch-invariant).
+    """
+    def call(lib, y):
+        return lib.llmopt_gemv_dense(x.data_ptr(), x.stride(0), weight.tiles.data_ptr(), _ELEM[weight.dtype],
+                                     _bias_ptr(bias, y.shape[1], "gemv"), y.data_ptr(), y.shape[1], _ELEM[x.dtype],
+                                     x.shape[0], y.shape[1], x.shape[1])
+    return _run_gemv("gemv", x, weight, call)
+
+
+class Int4Weight:
+    """A W4 weight in csrc/gemv.c's tiled int4 layout: tiles of 4 rows, steps of 32 inputs, each row's 32 in
+    16 bytes (input j in the low nibble of byte j, input j + 16 in its high nibble), stored values 0..15;
+    fp32 scales and uint8 zero points (stored values; None for symmetric, 8) [tiles, K / group, 4]."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int):
+        """q [N, K] stored values 0..15 (any integer dtype), scales [N, K / group], zeros like scales or None."""
+        n, k = q.shape
+        if not self.supports(k, group) or scales.shape != (n, k // group):
+            raise ValueError(f"Int4Weight: group {group} must be a multiple of 32 dividing K={k}, "
+                             f"scales [N, K / group] (got {tuple(scales.shape)})")
+        steps = _tiles(q.to(torch.uint8), 32)  # [T, K / 32, 4, 32]
+        self.packed = (steps[..., :16] | (steps[..., 16:] << 4)).contiguous()  # [T, K / 32, 4, 16]
+        self.scales = _tiles(scales.float(), 1).contiguous()  # [T, G, 4, 1]
+        self.zeros = None if zeros is None else _tiles(zeros.to(torch.uint8).reshape(n, k // group), 1)
+        self.group, self.in_features, self.out_features = group, k, n
+
+    @staticmethod
+    def supports(in_features: int, group: int) -> bool:
+        return group > 0 and group % 32 == 0 and in_features % group == 0
+
+
+@_traced
+def gemv_w4(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ dequantized(weight).T (+ bias, fp32) -> [M, N] in x's dtype, fp32 arithmetic."""
+    def call(lib, y):
+        zeros = None if weight.zeros is None else weight.zeros.data_ptr()
+        return lib.llmopt_gemv_w4(x.data_ptr(), x.stride(0), weight.packed.data_ptr(), weight.scales.data_ptr(), zeros,
+                                  weight.group, _bias_ptr(bias, y.shape[1], "gemv_w4"), y.data_ptr(), y.shape[1],
+                                  _ELEM[x.dtype], x.shape[0], y.shape[1], x.shape[1])
+    return _run_gemv("gemv_w4", x, weight, call)
+
+
+# --- small per-layer ops (csrc/ops.c) -------------------------------------------------------------------
+def ops_supported(dtype: torch.dtype) -> bool:
+    return dtype in _ELEM and available()
+
+
+def _rows_ok(t: torch.Tensor, name: str) -> None:
+    if t.dim() != 2 or t.stride(1) != 1 or t.dtype not in _ELEM or t.device.type != "cpu":
+        raise ValueError(f"{name}: CPU fp32/bf16 [rows, n] tensors with unit column stride are needed, "
+                         f"got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+
+
+@_traced
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm of x [T, H] (weight [H], same dtype), or of x + residual, which is then written into
+    `residual` (in place, as the Triton kernel does) and returned too: (out, residual)."""
+    lib = _library()
+    _rows_ok(x, "add_rms_norm")
+    t, h = x.shape
+    if weight.dtype != x.dtype or not weight.is_contiguous() or weight.numel() != h:
+        raise ValueError(f"add_rms_norm: weight must be a contiguous {x.dtype} vector of {h}")
+    if residual is not None:
+        _rows_ok(residual, "add_rms_norm")
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError("add_rms_norm: residual must match x")
+    out = torch.empty(t, h, dtype=x.dtype)
+    lib.llmopt_add_rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                            0 if residual is None else residual.stride(0), weight.data_ptr(), out.data_ptr(), h,
+                            t, h, eps, _ELEM[x.dtype])
+    return out if residual is None else (out, residual)
+
+
+@_traced
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for the fused gate||up rows [T, 2I] -> [T, I]."""
+    lib = _library()
+    _rows_ok(gate_up, "silu_mul")
+    t, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, inter, dtype=gate_up.dtype)
+    lib.llmopt_silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, t, inter, _ELEM[gate_up.dtype])
+    return out
+
+
+@_traced
+def rope_(x: torch.Tensor, cos_sin: torch.Tensor, head_dim: int) -> None:
+    """Rotate-half RoPE in place on x [T, heads * head_dim] (rows may be strided); cos_sin [T, head_dim] =
+    cos || sin of each token's position, in x's dtype."""
+    lib = _library()
+    _rows_ok(x, "rope_")
+    _rows_ok(cos_sin, "rope_")
+    t, width = x.shape
+    if width % head_dim or head_dim % 2 or cos_sin.shape != (t, head_dim) or cos_sin.dtype != x.dtype:
+        raise ValueError(f"rope_: x {tuple(x.shape)} and cos_sin {tuple(cos_sin.shape)} do not fit head dim "
+                         f"{head_dim}")
+    lib.llmopt_rope(x.data_ptr(), x.stride(0), cos_sin.data_ptr(), cos_sin.stride(0), t, width // head_dim, head_dim,
+                    _ELEM[x.dtype])
+
+
+# --- a decode step's decoder layers in one call (csrc/layer.c) ------------------------------------------
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int64), ("welem", ctypes.c_int64), ("weight", ctypes.c_void_p),
+                ("scales", ctypes.c_void_p), ("zeros", ctypes.c_void_p), ("group", ctypes.c_int64),
+                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)]
+
+
+def linear_desc(weight: "DenseWeight | Int4Weight", bias: torch.Tensor | None) -> _Linear:
+    """The C description of a prepared native weight (and fp32 bias): pointers only, the caller keeps the
+    tensors alive."""
+    b = _bias_ptr(bias, weight.out_features, "linear_desc")
+    if isinstance(weight, DenseWeight):
+        return _Linear(0, _ELEM[weight.dtype], weight.tiles.data_ptr(), None, None, 0, b, weight.out_features,
+                       weight.in_features)
+    zeros = None if weight.zeros is None else weight.zeros.data_ptr()
+    return _Linear(1, 0, weight.packed.data_ptr(), weight.scales.data_ptr(), zeros, weight.group, b,
+                   weight.out_features, weight.in_features)
+
+
+class DecodeLayers:
+    """A runtime's decoder layers described for `llmopt_decode_layers`, which runs them all for a decode
+    step's tokens in one call. `keep` holds every tensor the descriptions point into."""
+
+    def __init__(self, layers: list[tuple[_Linear, _Linear, _Linear, _Linear, torch.Tensor, torch.Tensor]],
+                 dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
+                 keep: list):
+        self.array = (_Layer * len(layers))(*[_Layer(q, o, gu, d, n1.data_ptr(), n2.data_ptr())
+                                              for q, o, gu, d, n1, n2 in layers])
+        self.keep = keep
+        self.dtype, self.hidden, self.heads, self.kv_heads = dtype, hidden, heads, kv_heads
+        self.head_dim, self.inter, self.eps = head_dim, inter, eps
+
+    @_traced
+    def run(self, residual: torch.Tensor, cos_sin: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor,
+            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
+        """residual [M, H] contiguous: the embeddings in, the residual stream after the last layer out (in
+        place); returns the last layer's MLP output [M, H]. kv_cache [layers, slots..., 2 * Hk * D] contiguous;
+        slots [M] int64; block_tables [M, max_blocks] / context_lens [M] int32 as for paged_decode."""
+        lib = _library()
+        m = residual.shape[0]
+        if not residual.is_contiguous() or residual.dtype != self.dtype or kv_cache.dtype != self.dtype \
+                or not kv_cache.is_contiguous() or kv_cache.shape[0] != len(self.array) \
+                or slots.dtype != torch.int64 or not slots.is_contiguous() or cos_sin.shape != (m, self.head_dim) \
+                or not cos_sin.is_contiguous() or block_tables.stride(1) != 1 or not context_lens.is_contiguous():
+            raise ValueError("decode_layers: tensors do not fit the runtime (dtype, layout or shape)")
+        out = torch.empty_like(residual)
+        rc = lib.llmopt_decode_layers(
+            self.array, len(self.array), residual.data_ptr(), out.data_ptr(), m, _ELEM[self.dtype], self.hidden,
+            self.heads, self.kv_heads, self.head_dim, self.inter, self.eps, cos_sin.data_ptr(), slots.data_ptr(),
+            kv_cache.data_ptr(), kv_cache[0].numel(), block_tables.data_ptr(), block_tables.stride(0),
+            context_lens.data_ptr(), block_size, scale)
+        if rc:
+            raise RuntimeError(f"decode_layers failed (code {rc})")
+        return out

@@ -14,10 +14,10 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from . import cpu_quant
+from . import cpu_native, cpu_quant
 from ._backend import check
 from .w8a8 import w8a8_matmul
-from .wq_matmul import w4a16_matmul, w8a16_matmul
+from .wq_matmul import resolve_group_size, unpack_int4, unpack_int4_zero_point, w4a16_matmul, w8a16_matmul
 
 
 class _QuantLinear(nn.Module):
@@ -28,6 +28,7 @@ class _QuantLinear(nn.Module):
         self.in_features, self.out_features, self.backend = in_features, out_features, backend
         self.register_buffer("bias", bias)
         self.cpu_weight = None  # set by prepare_cpu(); a plain attribute, rebuilt after loading
+        self.native = self.bias_f32 = None  # the native GEMV's layout, where a subclass has one
 
     def _use_cpu_kernel(self, x: torch.Tensor) -> bool:
         return self.backend is None and x.device.type == "cpu" and self.cpu_weight is not None
@@ -62,12 +63,31 @@ class W4A16Linear(_QuantLinear):
         return layer.prepare_cpu()
 
     def prepare_cpu(self):
-        """Convert once to the int4 CPU kernel's layout (no-op off CPU or for unsupported shapes)."""
+        """Convert once to the int4 CPU kernels' layouts (no-op off CPU or for unsupported shapes): the native
+        GEMV's for decode-sized calls (fp32 activations), torch's packed int4 kernel for the rest."""
         self.cpu_weight = cpu_quant.pack_w4a16_for_cpu(
             self.weight_packed, self.weight_scale, self.in_features, self.weight_zero_point, self.group_size)
+        self.native = self.bias_f32 = None
+        group = resolve_group_size(self.in_features, self.weight_scale, self.group_size)
+        if self.weight_packed.device.type == "cpu" and cpu_native.Int4Weight.supports(self.in_features, group) \
+                and cpu_native.gemv_available():
+            zeros = None if self.weight_zero_point is None \
+                else unpack_int4_zero_point(self.weight_zero_point, self.out_features)
+            self.native = cpu_native.Int4Weight(unpack_int4(self.weight_packed, self.in_features),
+                                                self.weight_scale.reshape(self.out_features, -1), zeros, group)
+            self.bias_f32 = None if self.bias is None else self.bias.float().contiguous()
         return self
 
+    def native_desc(self):
+        """(C description, most rows it serves, tensors to keep) for the fused native decode step, or None."""
+        if self.native is None or self.backend is not None:
+            return None
+        return cpu_native.linear_desc(self.native, self.bias_f32), cpu_native.W4_MAX_ROWS, [self.native, self.bias_f32]
+
     def forward(self, x):
+        if self.native is not None and self.backend is None and x.device.type == "cpu" and x.dim() == 2 \
+                and x.shape[0] <= cpu_native.W4_MAX_ROWS:
+            return cpu_native.gemv_w4(x if x.stride(1) == 1 else x.contiguous(), self.native, self.bias_f32)
         if self._use_cpu_kernel(x):
             return self._finish(cpu_quant.w4a16_cpu_matmul(x, self.cpu_weight))
         y = w4a16_matmul(x, self.weight_packed, self.weight_scale, self.weight_zero_point, self.group_size,

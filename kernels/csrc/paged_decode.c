@@ -15,19 +15,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-static inline float bf16_load(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
-}
+#include "llmopt.h"
 
-static inline uint16_t bf16_store(float f) { /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN stays NaN */
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)(v.u >> 16);
-}
+static inline float bf16_load(uint16_t h) { return llmopt_bf16_to_f32(h); }
+static inline uint16_t bf16_store(float f) { return llmopt_f32_to_bf16(f); }
 
 /* One sequence: out[Hq][DIM] from its context, one cache block at a time (online softmax): the
  * block's K rows give its scores, the running maxima rescale what was accumulated, then its V rows
@@ -54,7 +45,7 @@ static void NAME(const T *qr, const T *kv, int64_t row_stride, const int32_t *ta
         for (int64_t o = 0; o < n; o++)                                                                \
             for (int64_t h = 0; h < hk; h++) {                                                         \
                 const T *k = block + o * row_stride + h * dim;                                         \
-                float kf[DIM > 0 ? DIM : 1024];                                                        \
+                float kf[DIM > 0 ? DIM : 1024] __attribute__((aligned(64)));                           \
                 for (int64_t d = 0; d < dim; d++) kf[d] = LOAD(k[d]);                                  \
                 for (int64_t j = 0; j < group; j++) {                                                  \
                     const float *qi = qv + (h * group + j) * dim;                                      \
@@ -77,7 +68,7 @@ static void NAME(const T *qr, const T *kv, int64_t row_stride, const int32_t *ta
         for (int64_t o = 0; o < n; o++)                                                                \
             for (int64_t h = 0; h < hk; h++) {                                                         \
                 const T *v = block + o * row_stride + (hk + h) * dim;                                  \
-                float vf[DIM > 0 ? DIM : 1024];                                                        \
+                float vf[DIM > 0 ? DIM : 1024] __attribute__((aligned(64)));                           \
                 for (int64_t d = 0; d < dim; d++) vf[d] = LOAD(v[d]);                                  \
                 for (int64_t j = 0; j < group; j++) {                                                  \
                     float *a = acc + (h * group + j) * dim;                                            \
@@ -103,7 +94,7 @@ int NAME(const T *q, int64_t q_stride, const T *kv, int64_t row_stride, const in
     int failed = 0;                                                                                    \
     _Pragma("omp parallel")                                                                            \
     {                                                                                                  \
-        float *scores = malloc(sizeof(float) * (size_t)(hq * block_size + 2 * hq * dim));              \
+        float *scores = llmopt_alloc(sizeof(float) * (size_t)(hq * block_size + 2 * hq * dim));              \
         if (!scores) {                                                                                 \
             _Pragma("omp atomic write") failed = 2;                                                    \
         }                                                                                              \

@@ -107,6 +107,10 @@ def breakdown_table(s: dict, which: str, per_layer: bool) -> TableData:
     t.rows += [["sum of parts", f"{b['sum_ms']:.2f}", ""], ["measured step (no hooks)", f"{b['step_ms']:.2f}", ""],
                ["unattributed", f"{b['unattributed_ms']:.2f}", f"{b['unattributed_ms'] / b['step_ms']:.1%}"],
                ["sum / step", f"{b['ratio']:.3f}", ""]]
+    if "fused_step_ms" in b:
+        t.rows.append(["step as served", f"{b['fused_step_ms']:.2f}", ""])
+        t.note = "hooks see the per-layer path; as served, a CPU decode step of few sequences runs every layer " \
+                 "in one native call (same kernels, same order)"
     return t
 
 

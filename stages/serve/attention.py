@@ -121,7 +121,10 @@ class CpuAttention:
     def __init__(self, step: StepInput, cos_sin_cache: torch.Tensor, scale: float, block_size: int,
                  dtype: torch.dtype):
         self.scale, self.block_size, self.slot_mapping = scale, block_size, step.slot_mapping
-        self.cos, self.sin_signed = self._rope_rows(step.positions, cos_sin_cache, dtype)
+        self.cos_sin = cos_sin_cache.index_select(0, step.positions).to(dtype)  # [T, D] = cos || sin
+        self.native_rope = self.NATIVE and cpu_native.ops_supported(dtype)
+        if not self.native_rope:
+            self.cos, self.sin_signed = self._rope_rows(self.cos_sin)
         cu, ctx = step.cu_seqlens_q.tolist(), step.context_lens.tolist()
         q_lens = [cu[i + 1] - cu[i] for i in range(len(ctx))]
         single = [i for i, n in enumerate(q_lens) if n == 1]
@@ -153,11 +156,10 @@ class CpuAttention:
         return _Native(rows, tables.to(torch.int32).contiguous(), lens.to(torch.int32).contiguous())
 
     @staticmethod
-    def _rope_rows(positions, cos_sin_cache, dtype):
-        """cos [T, 1, D] and sin with the rotate-half sign folded in ([-sin, sin]), in the model's dtype
-        (as transformers rounds them)."""
-        half = cos_sin_cache.shape[1] // 2
-        cs = cos_sin_cache.index_select(0, positions).to(dtype)  # [T, D] = cos || sin
+    def _rope_rows(cs):
+        """cos [T, 1, D] and sin with the rotate-half sign folded in ([-sin, sin]) from cs [T, D] = cos || sin
+        in the model's dtype (as transformers rounds them)."""
+        half = cs.shape[1] // 2
         cos, sin = cs[:, :half], cs[:, half:]
         return torch.cat([cos, cos], -1)[:, None], torch.cat([-sin, sin], -1)[:, None]
 
@@ -183,8 +185,20 @@ class CpuAttention:
         mask = torch.arange(ctx, device=gather.device)[None, :] <= q_pos[:, None]  # [L, C]
         return _Prefill(slice(start, end), gather, mask)
 
+    def native_decode_plan(self, rows: int, max_rows: int, cache_dtype: torch.dtype):
+        """(cos_sin, slots, block_tables, context_lens, scale, block_size) for the fused native decode step
+        (`cpu_native.DecodeLayers.run`) when this step is one native decode token per sequence for at most
+        `max_rows` sequences, rope and cache native too; else None (the per-layer path runs)."""
+        plan = self.native
+        if plan is None or self.prefills or not self.native_rope or rows > max_rows \
+                or plan.rows != slice(0, rows) or cache_dtype != self.cos_sin.dtype:
+            return None
+        return (self.cos_sin, self.slot_mapping, plan.block_tables, plan.context_lens, self.scale, self.block_size)
+
     def rotate(self, qk, q, k):
         """Rotate q and k in place; `qk` [T, (Hq + Hk) * D] is the q||k part of the fused projection."""
+        if self.native_rope:
+            return cpu_native.rope_(qk, self.cos_sin, self.cos_sin.shape[1])
         t, d = qk.shape[0], self.cos.shape[-1]
         x = qk.view(t, -1, d)  # [T, Hq + Hk, D]: q and k heads rotated together
         half = d // 2

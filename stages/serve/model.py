@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmopt.kernels import rms_norm, silu_and_mul
+from llmopt.kernels import cpu_native, rms_norm, silu_and_mul
 from llmopt.kernels.parallel import gather_vocab, vocab_parallel_embedding
 
 from ..errors import ConfigError
@@ -106,9 +106,13 @@ def _spec(arch: str, config: dict) -> ModelSpec:
 def apply_norm(x, weight, eps, residual=None, backend=None):
     """RMSNorm of x (or of x + residual, then also returning that sum, the new residual stream).
 
-    backend "cpu": torch's own fused rms_norm, which measured ~25 % faster than the kernels'
-    fp32 twin at decode sizes. Otherwise the kernel (Triton on CUDA; residual updated in place).
+    backend "cpu": the native kernel (one call; residual updated in place), else torch's own fused
+    rms_norm, which measured ~25 % faster than the kernels' fp32 twin at decode sizes. Otherwise the
+    kernel (Triton on CUDA; residual updated in place).
     """
+    if backend == "cpu" and cpu_native.ops_supported(x.dtype) and x.dim() == 2 and x.stride(1) == 1 \
+            and weight.dtype == x.dtype and (residual is None or residual.stride(1) == 1):
+        return cpu_native.add_rms_norm(x, weight, eps, residual)
     if backend != "cpu":
         return rms_norm(x, weight, eps, backend=backend) if residual is None \
             else rms_norm(x, weight, eps, residual, backend=backend)
@@ -122,6 +126,8 @@ def swiglu(x, backend=None):
     """silu(gate) * up on the fused gate||up output [T, 2I] -> [T, I]."""
     if backend != "cpu":
         return silu_and_mul(x, backend=backend)
+    if cpu_native.ops_supported(x.dtype) and x.stride(-1) == 1 and x.dim() == 2:
+        return cpu_native.silu_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
 
@@ -130,11 +136,13 @@ class DenseLinear(nn.Module):
     """`x @ weight.T + bias` on a plain (possibly fused) weight [N, K].
 
     On CPU the weight is converted once (`prepare_cpu`) into the layouts of the fastest kernels
-    measured here (30 layers of SmolLM2 shapes + lm_head, weights streamed from memory): torch's
-    default F.linear (MKL, weight [N, K]) reaches a third of the machine's read bandwidth at
-    batch 1 and less at batch 8. oneDNN on a reordered weight: 1.2-2x faster at 2+ rows (fp32)
-    and at every batch size in bf16. fp32 with one row: MKL on the transposed weight [K, N],
-    another ~1.2x. The original [N, K] layout is kept only as a view.
+    measured here (30 layers of SmolLM2 shapes + lm_head, weights streamed from memory):
+    - decode-sized calls (up to `cpu_native.GEMV_MAX_ROWS` rows): the native GEMV on a tiled copy, which
+      streams the weight at 25-28 GB/s where torch's default F.linear (MKL) reached a third of the
+      machine's read bandwidth (fp32, batch 1: 21 ms for the model's weights vs 28 ms oneDNN, 35 ms MKL);
+    - more rows: oneDNN on a reordered weight (1.2-2x faster than MKL at 2+ rows in fp32 and at every
+      batch size in bf16);
+    - without the native library, fp32 with one row: MKL on the transposed weight [K, N].
     """
 
     PACK_BATCH = 8  # oneDNN's batch hint for the reorder; 8 measured as fast as 1 at batch 1
@@ -143,7 +151,8 @@ class DenseLinear(nn.Module):
         super().__init__()
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=dtype))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype) if bias else None)
-        self.packed = self.weight_t = None  # CPU layouts, set by prepare_cpu()
+        self.packed = self.weight_t = self.native = self.bias_f32 = None  # CPU layouts, set by prepare_cpu()
+        self.native_rows = 0  # calls of up to this many rows take the native GEMV
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "DenseLinear":
@@ -160,7 +169,11 @@ class DenseLinear(nn.Module):
                 or not torch.backends.mkldnn.is_available():
             return self
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), self.PACK_BATCH)
-        if w.dtype == torch.float32:
+        if cpu_native.gemv_available():
+            self.native = cpu_native.DenseWeight(w)
+            self.native_rows = cpu_native.GEMV_MAX_ROWS[w.dtype]
+            self.bias_f32 = None if self.bias is None else self.bias.float().contiguous()
+        elif w.dtype == torch.float32:
             self.weight_t = w.t().contiguous()  # [K, N]
             self.weight = self.weight_t.t()  # a view: an unshared fused copy is freed
         return self
@@ -168,13 +181,22 @@ class DenseLinear(nn.Module):
     def forward(self, x):
         if self.packed is None or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
-        if self.weight_t is not None and x.shape[0] == 1:
+        rows = x.shape[0]
+        if rows <= self.native_rows:
+            return cpu_native.gemv(x if x.stride(1) == 1 else x.contiguous(), self.native, self.bias_f32)
+        if self.weight_t is not None and rows == 1:
             y = torch.mm(x, self.weight_t)  # [1, N]
             return y if self.bias is None else y.add_(self.bias)
         return on_row_buckets(self._onednn, x)
 
     def _onednn(self, x):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
+
+    def native_desc(self):
+        """(C description, most rows it serves, tensors to keep) for the fused native decode step, or None."""
+        if self.native is None:
+            return None
+        return cpu_native.linear_desc(self.native, self.bias_f32), self.native_rows, [self.native, self.bias_f32]
 
 
 ROW_CHUNK = 512  # rows per oneDNN call beyond this; larger calls were no faster per row here
@@ -234,7 +256,8 @@ def prebuild_row_buckets(runtime: nn.Module, max_tokens: int, max_logit_rows: in
             continue
         seen.add(key)
         limit = min(max_logit_rows if name == "lm_head" else max_tokens, ROW_CHUNK)
-        for rows in sorted({row_bucket(m) for m in range(2, limit + 1)}):
+        first = max(2 if module.weight_t is not None else 1, module.native_rows + 1)  # fewer: no oneDNN
+        for rows in sorted({row_bucket(m) for m in range(first, limit + 1)}):
             module(torch.zeros(rows, w.shape[1], dtype=w.dtype))
             calls += 1
     return calls
@@ -317,11 +340,50 @@ class Runtime(nn.Module):
         return vocab_parallel_embedding(token_ids, self.embed_tokens, self.tp.vocab_start, self.tp.group)
 
     def forward(self, token_ids, attn, kv_caches):
-        """token_ids [T] -> (hidden, residual) [T, H] before the final norm."""
+        """token_ids [T] -> (hidden, residual) [T, H] before the final norm. kv_caches: one cache per layer
+        [num_blocks, block_size, 2, Hk, D], as a list or as the one tensor that stacks them (which lets a
+        CPU decode step run every layer in one native call)."""
         x, residual = self.embed(token_ids), None  # [T, H]
+        fused = self.native_decode if torch.is_tensor(kv_caches) and attn.op_backend == "cpu" else None
+        if fused is not None:
+            plan = attn.native_decode_plan(token_ids.shape[0], fused.max_rows, kv_caches.dtype)
+            if plan is not None:
+                cos_sin, slots, tables, lens, scale, block_size = plan
+                out = fused.run(x, cos_sin, slots, kv_caches.view(kv_caches.shape[0], -1), tables, lens, scale,
+                                block_size)
+                return out, x  # x, the embeddings, now holds the residual stream
         for layer, kv_cache in zip(self.layers, kv_caches):  # kv_cache [num_blocks, block_size, 2, Hk, D]
             x, residual = layer(x, residual, attn, kv_cache)
         return x, residual
+
+    @property
+    def native_decode(self) -> "cpu_native.DecodeLayers | None":
+        """Every decoder layer described for the native decode step (CPU, fp32/bf16, each projection on a
+        native GEMV: dense or int4), built on first use; None where any part is missing (W8 schemes,
+        mixed-scheme projections, tensor parallelism, no native library)."""
+        if getattr(self, "_native_decode", False) is False:
+            self._native_decode = self._describe_native()
+        return self._native_decode
+
+    def _describe_native(self):
+        if self.tp is not None or self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16) \
+                or not cpu_native.gemv_available():
+            return None
+        layers, keep, rows = [], [], []
+        for layer in self.layers:
+            descs = [getattr(p, "native_desc", lambda: None)() for p in (layer.qkv, layer.o_proj, layer.gate_up,
+                                                                         layer.down)]
+            norms = (layer.input_norm, layer.post_norm)
+            if any(d is None for d in descs) or any(n.dtype != self.dtype or not n.is_contiguous() for n in norms):
+                return None
+            layers.append((*[d[0] for d in descs], *norms))
+            rows += [d[1] for d in descs]
+            keep += [t for d in descs for t in d[2]] + list(norms)
+        spec = self.spec
+        fused = cpu_native.DecodeLayers(layers, self.dtype, spec.hidden_size, spec.num_heads, spec.num_kv_heads,
+                                        spec.head_dim, spec.intermediate_size, spec.rms_norm_eps, keep)
+        fused.max_rows = min(rows)
+        return fused
 
     def compute_logits(self, x, residual, indices, op_backend=None) -> torch.Tensor:
         """fp32 logits [R, vocab] of the rows `indices` only (final norm and lm_head skip the rest)."""

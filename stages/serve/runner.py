@@ -130,7 +130,7 @@ class ModelRunner:
         step = self._on_device(step)
         attn = attention_for(step, self.runtime.cos_sin_cache, self.scale, self.block_size, self.runtime.dtype,
                              self.kernels)
-        x, residual = self.runtime(step.token_ids, attn, self.kv_caches)
+        x, residual = self.runtime(step.token_ids, attn, self.kv_cache)
         return self.runtime.compute_logits(x, residual, step.logits_indices, attn.op_backend)
 
     def _on_device(self, step: StepInput) -> StepInput:

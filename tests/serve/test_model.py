@@ -241,9 +241,12 @@ def test_prebuild_runs_each_weight_shape_once_per_bucket(tmp_path, monkeypatch):
     calls = prebuild_row_buckets(runtime, max_tokens=40, max_logit_rows=6)
     shapes = {(tuple(m.weight.shape), m is runtime.lm_head) for m in runtime.modules() if isinstance(m, DenseLinear)}
     assert set(seen) == shapes
-    for (shape, is_head), rows in seen.items():
-        limit = 6 if is_head else 40
-        assert rows == sorted({row_bucket(m) for m in range(2, limit + 1)}), shape
+    modules = {(tuple(m.weight.shape), m is runtime.lm_head): m for m in runtime.modules() if isinstance(m, DenseLinear)}
+    for key, rows in seen.items():
+        limit, module = 6 if key[1] else 40, modules[key]
+        onednn = [m for m in range(1, limit + 1)
+                  if m > module.native_rows and not (m == 1 and module.weight_t is not None)]  # the others skip it
+        assert rows == sorted({row_bucket(m) for m in onednn}), key
     assert calls == sum(len(r) for r in seen.values())
     built = {key: set(rows) for key, rows in seen.items()}
     seen.clear()
@@ -260,3 +263,34 @@ def test_prebuild_can_be_switched_off(tmp_path, monkeypatch):
     assert runner.prebuild_matmuls(32, 4) > 0
     monkeypatch.setenv("LLMOPT_PREBUILD", "0")
     assert runner.prebuild_matmuls(32, 4) == 0
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_native_decode_step_equals_the_per_layer_path(tmp_path, dtype, monkeypatch):
+    # a decode-only step of few sequences runs every layer in one native call: same kernels, same order,
+    # so the logits must be bit-identical to the per-layer path (and that path must really be skipped)
+    if not cpu_native.gemv_available():
+        pytest.skip("native GEMV needs a C compiler and an AVX-512 CPU")
+    runtime, _, _ = load_runtime(str(save_hf(build_hf("qwen2-bias"), tmp_path)), dtype=dtype)
+    fused = runtime.native_decode
+    assert fused is not None and fused.max_rows >= 2
+    calls = []
+    real_run = type(fused).run
+    monkeypatch.setattr(type(fused), "run", lambda self, *a: calls.append(a[0].shape[0]) or real_run(self, *a))
+
+    def decode(use_fused):
+        runtime._native_decode = fused if use_fused else None
+        runner, seqs = ModelRunner(runtime, 64, 4), Sequences(64, 4, seed=11)
+        ids = [seqs.add(_tokens(n, n)) for n in (9, 14, 5)]
+        runner.execute(seqs.step([(s, len(seqs.tokens[s]) - 4) for s in ids]))  # prefill: never fused
+        outs = [runner.execute(seqs.step([(s, 1) for s in ids[:rows]])) for rows in (1, 2, 1, 2)]
+        return outs, runner.kv_cache.clone()
+
+    try:
+        (per_layer, cache_a), (one_call, cache_b) = decode(False), decode(True)
+    finally:
+        runtime._native_decode = fused
+    assert calls == [1, 2, 1, 2]
+    for a, b in zip(per_layer, one_call):
+        assert torch.equal(a, b)
+    assert torch.equal(cache_a, cache_b)  # the same keys and values were cached

@@ -133,3 +133,30 @@ def test_mixed_schemes_in_one_projection_run_side_by_side(artifacts):
     qkv = load_runtime(str(artifacts("w4-ignore-k")))[0].layers[0].qkv
     assert isinstance(qkv, ConcatLinear)
     assert [type(p).__name__ for p in qkv.parts] == ["W4A16Linear", "DenseLinear", "W4A16Linear"]
+
+
+@pytest.mark.parametrize("name", ["w4-asym", "w4-auto"])
+def test_w4_decode_runs_in_one_native_call_like_the_per_layer_path(artifacts, name):
+    from llmopt.kernels import cpu_native
+
+    if not cpu_native.gemv_available():
+        pytest.skip("native GEMV needs a C compiler and an AVX-512 CPU")
+    runtime, _, _ = load_runtime(str(artifacts(name)))
+    fused = runtime.native_decode
+    assert fused is not None and fused.max_rows == cpu_native.W4_MAX_ROWS
+
+    def decode(use_fused):
+        runtime._native_decode = fused if use_fused else None
+        runner, seqs = ModelRunner(runtime, 32, 4), Sequences(32, 4)
+        a, b = seqs.add(TOKENS), seqs.add(TOKENS[::-1])
+        runner.execute(seqs.step([(a, 16), (b, 12)]))
+        return [runner.execute(seqs.step(work)) for work in ([(a, 1)], [(a, 1), (b, 1)], [(b, 1), (a, 1)])]
+
+    try:
+        per_layer, one_call = decode(False), decode(True)
+    finally:
+        runtime._native_decode = fused
+    assert all(torch.equal(x, y) for x, y in zip(per_layer, one_call))
+    # int8 weight-only and W8A8 projections have no native GEMV: their decode stays per layer
+    assert load_runtime(str(artifacts("w8-channel")))[0].native_decode is None
+    assert load_runtime(str(artifacts("w8a8")))[0].native_decode is None

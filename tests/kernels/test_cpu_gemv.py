@@ -1,0 +1,132 @@
+"""Native CPU GEMVs (dense fp32/bf16 and int4 tiles) and per-layer ops against float64 / transformers-style
+references; every output must not depend on how many rows share the call."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmopt.kernels import cpu_native
+
+pytestmark = pytest.mark.skipif(not cpu_native.gemv_available(),
+                                reason="native GEMV needs a C compiler and an AVX-512 CPU")
+
+
+def _rand(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("n,k", [(5, 17), (6, 33), (37, 40), (96, 576), (130, 1536)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5])
+def test_dense_fp32_matches_float64(n, k, m):
+    w, x, b = _rand(n, k, seed=1), _rand(m, k, seed=2), _rand(n, seed=3)
+    y = cpu_native.gemv(x, cpu_native.DenseWeight(w), b)
+    ref = x.double() @ w.double().T + b.double()
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)  # sums of up to 1,536 unit terms in fp32
+
+
+def test_dense_bf16_rounds_once_from_fp32_sums():
+    w, x = _rand(70, 96, seed=1, dtype=torch.bfloat16), _rand(3, 96, seed=2, dtype=torch.bfloat16)
+    y = cpu_native.gemv(x, cpu_native.DenseWeight(w))
+    assert y.dtype == torch.bfloat16
+    ref = (x.double() @ w.double().T).to(torch.bfloat16)  # the exact sum, rounded to bf16
+    assert ((y.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-6).all()
+
+
+def test_dense_mixed_fp32_activations_on_bf16_weights():
+    w, x = _rand(40, 64, seed=1, dtype=torch.bfloat16), _rand(2, 64, seed=2)
+    y = cpu_native.gemv(x, cpu_native.DenseWeight(w))
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_rows_do_not_depend_on_the_batch(dtype):
+    w = cpu_native.DenseWeight(_rand(99, 200, seed=1, dtype=dtype))
+    wide = _rand(4, 260, seed=2, dtype=dtype)
+    x = wide[:, :200]  # a row stride wider than K, as for a slice of a fused projection
+    y = cpu_native.gemv(x, w)
+    for i in range(4):
+        assert torch.equal(cpu_native.gemv(x[i:i + 1], w)[0], y[i])
+
+
+def _w4_case(n, k, group, asym, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scales = torch.rand(n, k // group, generator=g) * 0.1 + 0.01
+    zeros = torch.randint(0, 16, (n, k // group), generator=g) if asym else None
+    zero = (zeros if asym else torch.full_like(scales, 8)).repeat_interleave(group, 1)
+    dense = (q - zero).double() * scales.double().repeat_interleave(group, 1)
+    return cpu_native.Int4Weight(q, scales, zeros, group), dense
+
+
+@pytest.mark.parametrize("n,k,group", [(64, 576, 64), (70, 576, 32), (36, 1536, 128), (12, 96, 96)])
+@pytest.mark.parametrize("asym", [False, True])
+def test_int4_matches_dequantized_weight(n, k, group, asym):
+    weight, dense = _w4_case(n, k, group, asym)
+    for m in (1, 2, 3, 4, 7):
+        x = _rand(m, k, seed=m)
+        y = cpu_native.gemv_w4(x, weight)
+        torch.testing.assert_close(y.double(), x.double() @ dense.T, rtol=1e-5, atol=1e-4)
+
+
+def test_int4_rows_do_not_depend_on_the_batch_and_take_bias_and_bf16():
+    weight, dense = _w4_case(50, 128, 32, True, seed=4)
+    x, bias = _rand(6, 128, seed=5), _rand(50, seed=6)
+    y = cpu_native.gemv_w4(x, weight, bias)
+    torch.testing.assert_close(y.double(), x.double() @ dense.T + bias.double(), rtol=1e-5, atol=1e-4)
+    for i in range(6):  # rows alone (M = 1, 4-row register blocks) and inside blocks of 2, 3, 4
+        assert torch.equal(cpu_native.gemv_w4(x[i:i + 1], weight, bias)[0], y[i])
+    assert torch.equal(cpu_native.gemv_w4(x[:3], weight, bias), y[:3])
+    yb = cpu_native.gemv_w4(x.bfloat16(), weight)
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb.double(), x.bfloat16().double() @ dense.T, rtol=1e-2, atol=1e-2)
+
+
+def test_bad_shapes_are_refused_with_a_message():
+    weight = cpu_native.DenseWeight(_rand(8, 32))
+    with pytest.raises(ValueError, match="x must be"):
+        cpu_native.gemv(_rand(2, 31), weight)
+    with pytest.raises(ValueError, match="bias"):
+        cpu_native.gemv(_rand(2, 32), weight, _rand(7))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_native.Int4Weight(torch.zeros(4, 48, dtype=torch.uint8), torch.ones(4, 3), None, 16)
+    with pytest.raises(ValueError, match="fp32/bf16"):
+        cpu_native.DenseWeight(torch.zeros(4, 4, dtype=torch.float16))
+
+
+def _norm_reference(h, w, eps):  # transformers' LlamaRMSNorm
+    hf = h.float()
+    return w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_add_rms_norm_matches_transformers_and_updates_the_residual(dtype, rows):
+    x, r = _rand(rows, 576, seed=1, dtype=dtype), _rand(rows, 576, seed=2, dtype=dtype)
+    w = (torch.rand(576, generator=torch.Generator().manual_seed(3)) + 0.5).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=0)  # bf16: the same roundings
+    torch.testing.assert_close(cpu_native.add_rms_norm(x, w, 1e-5), _norm_reference(x, w, 1e-5), **tol)
+    residual = r.clone()
+    out, res = cpu_native.add_rms_norm(x, w, 1e-5, residual)
+    assert res is residual and torch.equal(residual, x + r)
+    torch.testing.assert_close(out, _norm_reference(x + r, w, 1e-5), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_and_rope_match_torch(dtype):
+    gu = _rand(20, 2 * 96, seed=1, dtype=dtype) * 4
+    gate, up = gu.chunk(2, -1)
+    # expf differs from torch's exp by an ulp or so; in bf16 that can move a rounding by one step
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(cpu_native.silu_mul(gu), F.silu(gate) * up, **tol)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=0)
+    d, heads = 64, 5
+    wide = _rand(20, heads * d + 3 * d, seed=2, dtype=dtype)  # q||k rows inside a wider fused row
+    cs = _rand(20, d, seed=3, dtype=dtype)
+    x = wide[:, :heads * d].view(20, heads, d)
+    cos, sin = cs[:, None, :d // 2].repeat(1, 1, 2), cs[:, None, d // 2:]
+    ref = x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * torch.cat([sin, sin], -1)
+    rest = wide[:, heads * d:].clone()
+    cpu_native.rope_(wide[:, :heads * d], cs, d)
+    torch.testing.assert_close(x, ref, **tol)
+    assert torch.equal(wide[:, heads * d:], rest)  # what follows q||k in the row is untouched
+
