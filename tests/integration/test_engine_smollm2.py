@@ -101,3 +101,24 @@ def test_engine_chat_output_is_fluent(setup):
                                                add_generation_prompt=True, tokenize=True, return_dict=False)
     out = engine.generate([list(ids)], SamplingParams(max_tokens=24, temperature=0.0))[0]
     assert "Paris" in out.text
+
+
+def test_w4a16_artifact_serves_fluent_text(smollm_cache, tmp_path):
+    # RTN W4A16 (group 64, no calibration data): the engine runs it on the quantized CPU paths (batch-1
+    # decode on the native int4 GEMV) and still answers
+    import warnings
+
+    from llmopt.stages.quantize.config import QuantizeConfig
+    from llmopt.stages.quantize.run import run_quantize
+    from llmopt.stages.serve.engine.build import build_engine
+    from llmopt.stages.serve.engine.config import EngineConfig, SamplingParams
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = run_quantize("smollm2-135m", tmp_path / "w4", QuantizeConfig(method="rtn", group_size="64",
+                                                                             eval_windows=0)).path
+    engine = build_engine(str(path), EngineConfig(block_size=16, num_blocks=64))
+    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=False)
+    out = engine.generate([list(ids)], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    assert "Paris" in out.text, out.text
