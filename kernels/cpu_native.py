@@ -132,6 +132,8 @@ def _library() -> ctypes.CDLL | None:
     lib.llmopt_gemv_dense.argtypes = [ptr, i64, ptr, i32, ptr, ptr, i64, i32, i64, i64, i64]
     lib.llmopt_gemv_w4.restype = i32
     lib.llmopt_gemv_w4.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i32, i64, i64, i64]
+    lib.llmopt_gemv_w8.restype = i32
+    lib.llmopt_gemv_w8.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i32, i64, i64, i64]
     for name, args in (("llmopt_add_rms_norm", [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, i32]),
                         ("llmopt_silu_mul", [ptr, i64, ptr, i64, i64, i64, i32]),
                         ("llmopt_rope", [ptr, i64, ptr, i64, i64, i64, i64, i32])):
@@ -201,6 +203,7 @@ _ELEM = {torch.float32: 0, torch.bfloat16: 1}
 # bf16: 11 vs 16 at 1, 16 vs 14 at 4; int4: 4.2-5.0 vs 5.0-5.5 at 1, 5.2-5.6 vs 5.8-6.3 at 2).
 GEMV_MAX_ROWS = {torch.float32: 4, torch.bfloat16: 2}
 W4_MAX_ROWS = 2
+W8_MAX_ROWS = 2
 
 
 def gemv_available() -> bool:
@@ -285,7 +288,7 @@ class Int4Weight:
             raise ValueError(f"Int4Weight: group {group} must be a multiple of 32 dividing K={k}, "
                              f"scales [N, K / group] (got {tuple(scales.shape)})")
         steps = _tiles(q.to(torch.uint8), 32)  # [T, K / 32, 4, 32]
-        self.packed = (steps[..., :16] | (steps[..., 16:] << 4)).contiguous()  # [T, K / 32, 4, 16]
+        self.tiles = (steps[..., :16] | (steps[..., 16:] << 4)).contiguous()  # [T, K / 32, 4, 16]
         self.scales = _tiles(scales.float(), 1).contiguous()  # [T, G, 4, 1]
         self.zeros = None if zeros is None else _tiles(zeros.to(torch.uint8).reshape(n, k // group), 1)
         self.group, self.in_features, self.out_features = group, k, n
@@ -295,16 +298,50 @@ class Int4Weight:
         return group > 0 and group % 32 == 0 and in_features % group == 0
 
 
+def _quant_gemv(name: str, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+    def call(lib, y):
+        zeros = None if weight.zeros is None else weight.zeros.data_ptr()
+        return getattr(lib, f"llmopt_{name}")(
+            x.data_ptr(), x.stride(0), weight.tiles.data_ptr(), weight.scales.data_ptr(), zeros, weight.group,
+            _bias_ptr(bias, y.shape[1], name), y.data_ptr(), y.shape[1], _ELEM[x.dtype], x.shape[0], y.shape[1],
+            x.shape[1])
+    return _run_gemv(name, x, weight, call)
+
+
 @_traced
 def gemv_w4(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ dequantized(weight).T (+ bias, fp32) -> [M, N] in x's dtype, fp32 arithmetic."""
-    def call(lib, y):
-        zeros = None if weight.zeros is None else weight.zeros.data_ptr()
-        return lib.llmopt_gemv_w4(x.data_ptr(), x.stride(0), weight.packed.data_ptr(), weight.scales.data_ptr(), zeros,
-                                  weight.group, _bias_ptr(bias, y.shape[1], "gemv_w4"), y.data_ptr(), y.shape[1],
-                                  _ELEM[x.dtype], x.shape[0], y.shape[1], x.shape[1])
-    return _run_gemv("gemv_w4", x, weight, call)
+    return _quant_gemv("gemv_w4", x, weight, bias)
 
+
+
+class Int8Weight:
+    """A W8 weight in csrc/gemv.c's tiled int8 layout: tiles of 4 rows, steps of 16 inputs (K zero-padded);
+    fp32 scales and int8 zero points (None: symmetric) [tiles, groups, 4]; `group` >= K means one group
+    per row (channel-wise)."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int):
+        """q [N, K] int8, scales [N, G], zeros like scales (int8) or None; G = 1 or K / group."""
+        n, k = q.shape
+        if q.dtype != torch.int8 or not self.supports(k, group) or scales.reshape(n, -1).shape[1] != max(1, k // group):
+            raise ValueError(f"Int8Weight: int8 [N, K] weights with a group of K or a multiple of 16 dividing "
+                             f"K={k} are needed (got {q.dtype}, group {group}, scales {tuple(scales.shape)})")
+        groups = scales.reshape(n, -1).shape[1]
+        self.tiles = _tiles(q, 16)
+        self.scales = _tiles(scales.float().reshape(n, groups), 1).contiguous()
+        self.zeros = None if zeros is None else _tiles(zeros.to(torch.int8).reshape(n, groups), 1).contiguous()
+        self.group = k if groups == 1 else group
+        self.in_features, self.out_features = k, n
+
+    @staticmethod
+    def supports(in_features: int, group: int) -> bool:
+        return group >= in_features or (group > 0 and group % 16 == 0 and in_features % group == 0)
+
+
+@_traced
+def gemv_w8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ dequantized(weight).T (+ bias, fp32) -> [M, N] in x's dtype, fp32 arithmetic."""
+    return _quant_gemv("gemv_w8", x, weight, bias)
 
 # --- small per-layer ops (csrc/ops.c) -------------------------------------------------------------------
 def ops_supported(dtype: torch.dtype) -> bool:
@@ -375,7 +412,7 @@ class _Layer(ctypes.Structure):
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)]
 
 
-def linear_desc(weight: "DenseWeight | Int4Weight", bias: torch.Tensor | None) -> _Linear:
+def linear_desc(weight: "DenseWeight | Int4Weight | Int8Weight", bias: torch.Tensor | None) -> _Linear:
     """The C description of a prepared native weight (and fp32 bias): pointers only, the caller keeps the
     tensors alive."""
     b = _bias_ptr(bias, weight.out_features, "linear_desc")
@@ -383,8 +420,8 @@ def linear_desc(weight: "DenseWeight | Int4Weight", bias: torch.Tensor | None) -
         return _Linear(0, _ELEM[weight.dtype], weight.tiles.data_ptr(), None, None, 0, b, weight.out_features,
                        weight.in_features)
     zeros = None if weight.zeros is None else weight.zeros.data_ptr()
-    return _Linear(1, 0, weight.packed.data_ptr(), weight.scales.data_ptr(), zeros, weight.group, b,
-                   weight.out_features, weight.in_features)
+    return _Linear(1 if isinstance(weight, Int4Weight) else 2, 0, weight.tiles.data_ptr(), weight.scales.data_ptr(),
+                   zeros, weight.group, b, weight.out_features, weight.in_features)
 
 
 class DecodeLayers:

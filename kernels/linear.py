@@ -29,6 +29,7 @@ class _QuantLinear(nn.Module):
         self.register_buffer("bias", bias)
         self.cpu_weight = None  # set by prepare_cpu(); a plain attribute, rebuilt after loading
         self.native = self.bias_f32 = None  # the native GEMV's layout, where a subclass has one
+        self.dense = None  # CPU: a dense (dequantized) twin for calls the native GEMV does not take, if any
 
     def _use_cpu_kernel(self, x: torch.Tensor) -> bool:
         return self.backend is None and x.device.type == "cpu" and self.cpu_weight is not None
@@ -88,6 +89,8 @@ class W4A16Linear(_QuantLinear):
         if self.native is not None and self.backend is None and x.device.type == "cpu" and x.dim() == 2 \
                 and x.shape[0] <= cpu_native.W4_MAX_ROWS:
             return cpu_native.gemv_w4(x if x.stride(1) == 1 else x.contiguous(), self.native, self.bias_f32)
+        if self.dense is not None and self.backend is None and x.device.type == "cpu":
+            return self.dense(x)
         if self._use_cpu_kernel(x):
             return self._finish(cpu_quant.w4a16_cpu_matmul(x, self.cpu_weight))
         y = w4a16_matmul(x, self.weight_packed, self.weight_scale, self.weight_zero_point, self.group_size,
@@ -113,11 +116,30 @@ class W8A16Linear(_QuantLinear):
         return layer.prepare_cpu()
 
     def prepare_cpu(self):
-        """Convert once for the int8 weight-only CPU kernel (channel-wise, K % 64 == 0 only)."""
+        """Convert once for the int8 CPU kernels: the native GEMV for decode-sized calls (fp32 activations),
+        torch's int8 weight-only kernel for the rest (channel-wise, K % 64 == 0 only)."""
         self.cpu_weight = cpu_quant.pack_w8a16_for_cpu(self.weight, self.weight_scale, self.weight_zero_point)
+        self.native = self.bias_f32 = None
+        group = resolve_group_size(self.in_features, self.weight_scale, self.group_size)
+        if self.weight.device.type == "cpu" and self.weight.dtype == torch.int8 \
+                and cpu_native.Int8Weight.supports(self.in_features, group) and cpu_native.gemv_available():
+            self.native = cpu_native.Int8Weight(self.weight, self.weight_scale.reshape(self.out_features, -1),
+                                                self.weight_zero_point, group)
+            self.bias_f32 = None if self.bias is None else self.bias.float().contiguous()
         return self
 
+    def native_desc(self):
+        """(C description, most rows it serves, tensors to keep) for the fused native decode step, or None."""
+        if self.native is None or self.backend is not None:
+            return None
+        return cpu_native.linear_desc(self.native, self.bias_f32), cpu_native.W8_MAX_ROWS, [self.native, self.bias_f32]
+
     def forward(self, x):
+        if self.native is not None and self.backend is None and x.device.type == "cpu" and x.dim() == 2 \
+                and x.shape[0] <= cpu_native.W8_MAX_ROWS:
+            return cpu_native.gemv_w8(x if x.stride(1) == 1 else x.contiguous(), self.native, self.bias_f32)
+        if self.dense is not None and self.backend is None and x.device.type == "cpu":
+            return self.dense(x)
         if self._use_cpu_kernel(x):
             return self._finish(cpu_quant.w8a16_cpu_matmul(x, self.cpu_weight))
         y = w8a16_matmul(x, self.weight, self.weight_scale, self.weight_zero_point, self.group_size,

@@ -183,51 +183,76 @@ static inline __attribute__((always_inline)) void w4_block(const uint8_t *p, con
         for (int i = 0; i < mb; i++) out[i * 4 + r0 + r] = hsum(acc[r][i]);
 }
 
-/* A tile against M x rows: out [M][4]. */
-static void w4_tile_rows(const uint8_t *p, const float *s, const uint8_t *z, int64_t groups, int64_t group,
-                         const float *xf, int64_t k, int64_t m, float *out) {
-    for (int64_t i = 0; i < m;) {
-        const float *xr = xf + i * k;
-        float *o = out + i * 4;
-        switch (m - i >= 4 ? 4 : (int)(m - i)) {
-            case 1: w4_block(p, s, z, groups, group, xr, k, 0, 4, 1, o); i += 1; break;
-            case 2: w4_block(p, s, z, groups, group, xr, k, 0, 4, 2, o); i += 2; break;
-            case 3:
-                w4_block(p, s, z, groups, group, xr, k, 0, 2, 3, o);
-                w4_block(p, s, z, groups, group, xr, k, 2, 2, 3, o);
-                i += 3;
-                break;
-            default:
-                w4_block(p, s, z, groups, group, xr, k, 0, 2, 4, o);
-                w4_block(p, s, z, groups, group, xr, k, 2, 2, 4, o);
-                i += 4;
-                break;
-        }
-    }
+/* NAME(p, s, z, groups, gsize, xf, kp, m, out): a tile against M x rows, out [M][4], by BLOCK on register
+ * blocks of (4 rows x 1-2 x rows) or (2 rows x 3-4 x rows). */
+#define DEFINE_TILE_ROWS(NAME, BLOCK, PT, ZT)                                                            \
+static void NAME(const void *pv, const float *s, const void *zv, int64_t groups, int64_t gsize,         \
+                 const float *xf, int64_t kp, int64_t m, float *out) {                                  \
+    const PT *p = pv;                                                                                   \
+    const ZT *z = zv;                                                                                   \
+    for (int64_t i = 0; i < m;) {                                                                       \
+        const float *xr = xf + i * kp;                                                                  \
+        float *o = out + i * 4;                                                                         \
+        int64_t left = m - i;                                                                           \
+        if (left == 1) BLOCK(p, s, z, groups, gsize, xr, kp, 0, 4, 1, o);                               \
+        else if (left == 2) BLOCK(p, s, z, groups, gsize, xr, kp, 0, 4, 2, o);                          \
+        else if (left == 3) {                                                                           \
+            BLOCK(p, s, z, groups, gsize, xr, kp, 0, 2, 3, o);                                          \
+            BLOCK(p, s, z, groups, gsize, xr, kp, 2, 2, 3, o);                                          \
+        } else {                                                                                        \
+            BLOCK(p, s, z, groups, gsize, xr, kp, 0, 2, 4, o);                                          \
+            BLOCK(p, s, z, groups, gsize, xr, kp, 2, 2, 4, o);                                          \
+        }                                                                                               \
+        i += left < 4 ? left : 4;                                                                       \
+    }                                                                                                   \
 }
+
+DEFINE_TILE_ROWS(w4_tile_rows, w4_block, uint8_t, uint8_t)
 #else
-static void w4_tile_rows(const uint8_t *p, const float *s, const uint8_t *z, int64_t groups, int64_t group,
-                         const float *xf, int64_t k, int64_t m, float *out) {
+/* Portable twin of both quantized tile kernels: bits 4 (nibbles, steps of 32, zero default 8, uint8 zeros) or
+ * 8 (int8, steps of 16, zero default 0, int8 zeros); gsize = the group in inputs. */
+static void scalar_tile_rows(int bits, const void *pv, const float *s, const void *zv, int64_t groups,
+                             int64_t gsize, const float *xf, int64_t kp, int64_t m, float *out) {
     for (int r = 0; r < 4; r++)
         for (int64_t i = 0; i < m; i++) {
             float acc = 0.0f;
-            for (int64_t g = 0; g < groups; g++)
-                for (int64_t c = g * group; c < (g + 1) * group; c++) {
-                    uint8_t b = p[(c / 32) * 64 + r * 16 + c % 16];
-                    int v = (c % 32) < 16 ? (b & 15) : (b >> 4);
-                    acc += (float)(v - (z ? z[g * 4 + r] : 8)) * s[g * 4 + r] * xf[i * k + c];
+            for (int64_t g = 0; g < groups; g++) {
+                float d = 0.0f;
+                int zero = zv ? (bits == 4 ? ((const uint8_t *)zv)[g * 4 + r] : ((const int8_t *)zv)[g * 4 + r])
+                              : (bits == 4 ? 8 : 0);
+                for (int64_t c = g * gsize; c < (g + 1) * gsize; c++) {
+                    int q;
+                    if (bits == 4) {
+                        uint8_t b = ((const uint8_t *)pv)[(c / 32) * 64 + r * 16 + c % 16];
+                        q = (c % 32) < 16 ? (b & 15) : (b >> 4);
+                    } else {
+                        q = ((const int8_t *)pv)[(c / 16) * 64 + r * 16 + c % 16];
+                    }
+                    d += (float)(q - zero) * xf[i * kp + c];
                 }
+                acc += d * s[g * 4 + r];
+            }
             out[i * 4 + r] = acc;
         }
 }
+
+static void w4_tile_rows(const void *p, const float *s, const void *z, int64_t groups, int64_t group,
+                         const float *xf, int64_t k, int64_t m, float *out) {
+    scalar_tile_rows(4, p, s, z, groups, group, xf, k, m, out);
+}
 #endif
 
-int llmopt_gemv_w4(const void *x, int64_t xs, const uint8_t *packed, const float *scales, const uint8_t *zeros,
-                   int64_t group, const float *bias, void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t k) {
-    if (group % 32 || k % group) return 1;
-    float *xf = load_x(x, xs, elem, m, k, k);
+typedef void (*tile_rows_fn)(const void *p, const float *s, const void *z, int64_t groups, int64_t gsize,
+                             const float *xf, int64_t kp, int64_t m, float *out);
+
+/* The quantized GEMVs' common part: tiles of tile_bytes, scales and 1-byte zero points [tiles][groups][4],
+ * x zero-padded to kp; each thread runs its slab of tiles through `rows`. */
+static int quant_gemv(tile_rows_fn rows, size_t tile_bytes, const void *x, int64_t xs, const void *tiles,
+                      const float *scales, const void *zeros, int64_t groups, int64_t gsize, const float *bias, void *y,
+                      int64_t ys, int elem, int64_t m, int64_t n, int64_t k, int64_t kp) {
+    float *xf = load_x(x, xs, elem, m, k, kp);
     if (!xf) return 2;
-    int64_t groups = k / group, ntiles = (n + TILE_ROWS - 1) / TILE_ROWS;
+    int64_t ntiles = (n + TILE_ROWS - 1) / TILE_ROWS;
     int failed = 0;
 #pragma omp parallel
     {
@@ -239,10 +264,9 @@ int llmopt_gemv_w4(const void *x, int64_t xs, const uint8_t *packed, const float
             failed = 2;
         } else {
             for (int64_t t = t0; t < t1; t++) {
-                const uint8_t *p = packed + (size_t)t * (size_t)(TILE_ROWS * k / 2);
-                const uint8_t *z = zeros ? zeros + t * groups * TILE_ROWS : NULL;
-                const float *s = scales + t * groups * TILE_ROWS;
-                w4_tile_rows(p, s, z, groups, group, xf, k, m, out);
+                const void *z = zeros ? (const char *)zeros + t * groups * TILE_ROWS : NULL;
+                rows((const char *)tiles + (size_t)t * tile_bytes, scales + t * groups * TILE_ROWS, z, groups, gsize,
+                     xf, kp, m, out);
                 for (int64_t i = 0; i < m; i++)
                     for (int r = 0; r < TILE_ROWS && t * TILE_ROWS + r < n; r++)
                         store_y(y, ys, elem, i, t * TILE_ROWS + r, out[i * TILE_ROWS + r], bias);
@@ -252,4 +276,60 @@ int llmopt_gemv_w4(const void *x, int64_t xs, const uint8_t *packed, const float
     }
     free(xf);
     return failed;
+}
+
+int llmopt_gemv_w4(const void *x, int64_t xs, const uint8_t *packed, const float *scales, const uint8_t *zeros,
+                   int64_t group, const float *bias, void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t k) {
+    if (group % 32 || k % group) return 1;
+    return quant_gemv(w4_tile_rows, (size_t)(TILE_ROWS * k / 2), x, xs, packed, scales, zeros, k / group, group, bias, y,
+                      ys, elem, m, n, k, k);
+}
+
+/* int8 weight, group-wise (weight-only W8A16), tiled like the dense ones: tile t = rows 4t..4t+3, steps of
+ * 16 inputs, each step 4 x 16 int8; K zero-padded to whole steps. scales [tiles][groups][4] fp32; zeros
+ * [tiles][groups][4] int8 or NULL (0). A group is `gsteps` steps; output = sum over groups of
+ * scale * sum((q - zero) * x). */
+#if FAST
+static inline __attribute__((always_inline)) void w8_block(const int8_t *p, const float *s, const int8_t *z,
+        int64_t groups, int64_t gsteps, const float *xr, int64_t kp, const int r0, const int rb, const int mb,
+        float *out) {
+    __m512 acc[4][4], d[4][4];
+    for (int r = 0; r < rb; r++)
+        for (int i = 0; i < mb; i++) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i zero[4];
+        for (int r = 0; r < rb; r++) {
+            zero[r] = _mm512_set1_epi32(z ? z[g * 4 + r0 + r] : 0);
+            for (int i = 0; i < mb; i++) d[r][i] = _mm512_setzero_ps();
+        }
+        for (int64_t c = g * gsteps; c < (g + 1) * gsteps; c++) {
+            for (int r = 0; r < rb; r++) {
+                __m128i q = _mm_loadu_si128((const __m128i *)(p + c * 64 + 16 * (r0 + r)));
+                __m512 w = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepi8_epi32(q), zero[r]));
+                for (int i = 0; i < mb; i++)
+                    d[r][i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xr + i * kp + c * 16), d[r][i]);
+            }
+        }
+        for (int r = 0; r < rb; r++)
+            for (int i = 0; i < mb; i++)
+                acc[r][i] = _mm512_fmadd_ps(d[r][i], _mm512_set1_ps(s[g * 4 + r0 + r]), acc[r][i]);
+    }
+    for (int r = 0; r < rb; r++)
+        for (int i = 0; i < mb; i++) out[i * 4 + r0 + r] = hsum(acc[r][i]);
+}
+
+DEFINE_TILE_ROWS(w8_tile_rows, w8_block, int8_t, int8_t)
+#else
+static void w8_tile_rows(const void *p, const float *s, const void *z, int64_t groups, int64_t gsteps,
+                         const float *xf, int64_t kp, int64_t m, float *out) {
+    scalar_tile_rows(8, p, s, z, groups, gsteps * 16, xf, kp, m, out);
+}
+#endif
+
+int llmopt_gemv_w8(const void *x, int64_t xs, const int8_t *tiles, const float *scales, const int8_t *zeros,
+                   int64_t group, const float *bias, void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t k) {
+    int64_t kp = (k + 15) / 16 * 16, groups = group >= k ? 1 : k / group;
+    if (groups > 1 && (group % 16 || k % group)) return 1;
+    return quant_gemv(w8_tile_rows, (size_t)(TILE_ROWS * kp), x, xs, tiles, scales, zeros, groups, kp / 16 / groups,
+                      bias, y, ys, elem, m, n, k, kp);
 }

@@ -4,7 +4,7 @@
  * element type, so the results are identical; only the Python and dispatch cost between them (a few
  * microseconds per op, about a dozen ops per layer) is gone.
  *
- * Linears are described by llmopt_linear (dense tiles or int4, see gemv.c); layers by llmopt_layer.
+ * Linears are described by llmopt_linear (dense, int4 or int8 tiles, see gemv.c); layers by llmopt_layer.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -12,7 +12,7 @@
 #include "llmopt.h"
 
 typedef struct {
-    int64_t kind; /* 0: dense tiles (welem 0 fp32 / 1 bf16); 1: int4 */
+    int64_t kind; /* 0: dense tiles (welem 0 fp32 / 1 bf16); 1: int4; 2: int8 */
     int64_t welem;
     const void *weight; /* tiles, or packed int4 */
     const float *scales;
@@ -29,7 +29,10 @@ typedef struct {
 
 static int linear(const llmopt_linear *l, const void *x, int64_t xs, void *y, int64_t ys, int elem, int64_t m) {
     if (l->kind == 0) return llmopt_gemv_dense(x, xs, l->weight, (int)l->welem, l->bias, y, ys, elem, m, l->n, l->k);
-    return llmopt_gemv_w4(x, xs, l->weight, l->scales, l->zeros, l->group, l->bias, y, ys, elem, m, l->n, l->k);
+    if (l->kind == 1)
+        return llmopt_gemv_w4(x, xs, l->weight, l->scales, l->zeros, l->group, l->bias, y, ys, elem, m, l->n, l->k);
+    return llmopt_gemv_w8(x, xs, l->weight, l->scales, (const int8_t *)l->zeros, l->group, l->bias, y, ys, elem, m,
+                          l->n, l->k);
 }
 
 /* residual [M][hidden]: in, the embeddings (layer 0's input, which is also its residual stream); out, the

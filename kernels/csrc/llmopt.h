@@ -34,6 +34,8 @@ int llmopt_gemv_dense(const void *x, int64_t xs, const void *tiles, int welem, c
                       int elem, int64_t m, int64_t n, int64_t k);
 int llmopt_gemv_w4(const void *x, int64_t xs, const uint8_t *packed, const float *scales, const uint8_t *zeros,
                    int64_t group, const float *bias, void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t k);
+int llmopt_gemv_w8(const void *x, int64_t xs, const int8_t *tiles, const float *scales, const int8_t *zeros,
+                   int64_t group, const float *bias, void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t k);
 int llmopt_add_rms_norm(const void *x, int64_t xs, void *residual, int64_t rs, const void *w, void *out, int64_t os,
                         int64_t rows, int64_t h, float eps, int elem);
 int llmopt_silu_mul(const void *gu, int64_t gs, void *out, int64_t os, int64_t rows, int64_t inter, int elem);

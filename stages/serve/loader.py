@@ -153,9 +153,13 @@ class _Weights:
         layer = _quant_linear(scheme, [self._quant_part(n, scheme) for n in names], bias, self.backend)
         weight_only = isinstance(layer, (W4A16Linear, W8A16Linear))
         if weight_only and self.backend is None and self.device.type == "cpu" and layer.cpu_weight is None:
-            # No CPU kernel takes this layout (group-wise int8, odd shapes): its reference twin would
-            # dequantize the whole weight on every call (~8x slower than dense here). Dequantize once.
-            return DenseLinear.of(_dequantized(layer).to(self.dtype), bias).prepare_cpu()
+            # No torch CPU kernel takes this layout (group-wise int8, odd shapes): its reference twin would
+            # dequantize the whole weight on every call (~8x slower than dense here). Dequantize once: as
+            # the layer's fallback beyond the rows its native GEMV serves, or as the layer itself.
+            dense = DenseLinear.of(_dequantized(layer).to(self.dtype), bias)
+            if layer.native is None:
+                return dense.prepare_cpu()
+            layer.dense = dense.prepare_cpu(native=False)
         return layer
 
     def _bias(self, names: list[str]) -> torch.Tensor | None:

@@ -162,14 +162,15 @@ class DenseLinear(nn.Module):
         layer.weight, layer.bias = weight, bias
         return layer
 
-    def prepare_cpu(self) -> "DenseLinear":
-        """Convert the weight for the CPU kernels (fp32/bf16 on CPU; otherwise F.linear stays)."""
+    def prepare_cpu(self, native: bool = True) -> "DenseLinear":
+        """Convert the weight for the CPU kernels (fp32/bf16 on CPU; otherwise F.linear stays). `native`
+        False: no GEMV copy (the fallback of a quantized linear, which has its own for few rows)."""
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) \
                 or not torch.backends.mkldnn.is_available():
             return self
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), self.PACK_BATCH)
-        if cpu_native.gemv_available():
+        if native and cpu_native.gemv_available():
             self.native = cpu_native.DenseWeight(w)
             self.native_rows = cpu_native.GEMV_MAX_ROWS[w.dtype]
             self.bias_f32 = None if self.bias is None else self.bias.float().contiguous()

@@ -81,6 +81,25 @@ def test_int4_rows_do_not_depend_on_the_batch_and_take_bias_and_bf16():
     torch.testing.assert_close(yb.double(), x.bfloat16().double() @ dense.T, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("n,k,group", [(64, 576, 576), (70, 40, 40), (36, 1536, 32), (12, 96, 48)])
+@pytest.mark.parametrize("asym", [False, True])
+def test_int8_matches_dequantized_weight_whatever_the_batch(n, k, group, asym):
+    g = torch.Generator().manual_seed(n + asym)
+    q = torch.randint(-128, 128, (n, k), generator=g).to(torch.int8)
+    groups = max(1, k // group)
+    scales = torch.rand(n, groups, generator=g) * 0.01 + 0.001
+    zeros = torch.randint(-20, 20, (n, groups), generator=g).to(torch.int8) if asym else None
+    size = group if groups > 1 else k
+    zero = zeros.double().repeat_interleave(size, 1) if asym else 0
+    dense = (q.double() - zero) * scales.double().repeat_interleave(size, 1)
+    weight, bias = cpu_native.Int8Weight(q, scales, zeros, group), _rand(n, seed=9)
+    x = _rand(5, k, seed=k)
+    y = cpu_native.gemv_w8(x, weight, bias)
+    torch.testing.assert_close(y.double(), x.double() @ dense.T + bias.double(), rtol=1e-5, atol=1e-4)
+    for i in range(5):
+        assert torch.equal(cpu_native.gemv_w8(x[i:i + 1], weight, bias)[0], y[i])
+
+
 def test_bad_shapes_are_refused_with_a_message():
     weight = cpu_native.DenseWeight(_rand(8, 32))
     with pytest.raises(ValueError, match="x must be"):
@@ -91,6 +110,8 @@ def test_bad_shapes_are_refused_with_a_message():
         cpu_native.Int4Weight(torch.zeros(4, 48, dtype=torch.uint8), torch.ones(4, 3), None, 16)
     with pytest.raises(ValueError, match="fp32/bf16"):
         cpu_native.DenseWeight(torch.zeros(4, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_native.Int8Weight(torch.zeros(4, 48, dtype=torch.int8), torch.ones(4, 6), None, 8)
 
 
 def _norm_reference(h, w, eps):  # transformers' LlamaRMSNorm

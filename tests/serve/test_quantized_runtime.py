@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from llmopt.kernels import W4A16Linear, W8A8Linear, W8A16Linear
+from llmopt.kernels import W4A16Linear, W8A8Linear, W8A16Linear, cpu_native
 from llmopt.stages.model_io import load_model_dir
 from llmopt.stages.quantize.config import QuantizeConfig
 from llmopt.stages.quantize.run import run_quantize
@@ -122,8 +122,14 @@ def test_quantized_linears_are_fused_with_recorded_group_sizes(artifacts):
     assert (layer.qkv.group_size, layer.gate_up.group_size, layer.down.group_size) == (64, 64, 128)
     assert layer.qkv.cpu_weight is not None and layer.gate_up.out_features == 256
     assert isinstance(load_runtime(str(artifacts("w8-channel")))[0].layers[1].gate_up, W8A16Linear)
-    # no CPU kernel for group-wise int8: dequantized once to a dense weight instead of on every call
-    assert isinstance(load_runtime(str(artifacts("w8-group")))[0].layers[1].gate_up, DenseLinear)
+    # no torch CPU kernel for group-wise int8: dequantized once to a dense weight instead of on every call,
+    # kept beside the int8 weight as the fallback beyond the native GEMV's rows where that GEMV exists
+    gate_up = load_runtime(str(artifacts("w8-group")))[0].layers[1].gate_up
+    if cpu_native.gemv_available():
+        assert isinstance(gate_up, W8A16Linear) and isinstance(gate_up.dense, DenseLinear)
+        assert gate_up.native is not None and gate_up.dense.native is None
+    else:
+        assert isinstance(gate_up, DenseLinear)
     assert isinstance(load_runtime(str(artifacts("w8-group")), linear_backend="torch")[0].layers[1].gate_up,
                       W8A16Linear)
     assert isinstance(load_runtime(str(artifacts("w8a8")))[0].layers[1].qkv, W8A8Linear)
@@ -135,15 +141,13 @@ def test_mixed_schemes_in_one_projection_run_side_by_side(artifacts):
     assert [type(p).__name__ for p in qkv.parts] == ["W4A16Linear", "DenseLinear", "W4A16Linear"]
 
 
-@pytest.mark.parametrize("name", ["w4-asym", "w4-auto"])
-def test_w4_decode_runs_in_one_native_call_like_the_per_layer_path(artifacts, name):
-    from llmopt.kernels import cpu_native
-
+@pytest.mark.parametrize("name", ["w4-asym", "w4-auto", "w8-channel", "w8-group"])
+def test_quantized_decode_runs_in_one_native_call_like_the_per_layer_path(artifacts, name):
     if not cpu_native.gemv_available():
         pytest.skip("native GEMV needs a C compiler and an AVX-512 CPU")
     runtime, _, _ = load_runtime(str(artifacts(name)))
     fused = runtime.native_decode
-    assert fused is not None and fused.max_rows == cpu_native.W4_MAX_ROWS
+    assert fused is not None and fused.max_rows == (cpu_native.W8_MAX_ROWS if "w8" in name else cpu_native.W4_MAX_ROWS)
 
     def decode(use_fused):
         runtime._native_decode = fused if use_fused else None
@@ -157,6 +161,5 @@ def test_w4_decode_runs_in_one_native_call_like_the_per_layer_path(artifacts, na
     finally:
         runtime._native_decode = fused
     assert all(torch.equal(x, y) for x, y in zip(per_layer, one_call))
-    # int8 weight-only and W8A8 projections have no native GEMV: their decode stays per layer
-    assert load_runtime(str(artifacts("w8-channel")))[0].native_decode is None
+    # W8A8 projections (dynamic int8 activations) have no native GEMV: their decode stays per layer
     assert load_runtime(str(artifacts("w8a8")))[0].native_decode is None
