@@ -108,7 +108,9 @@ def build_runtime(config: dict, state: dict, device: torch.device, dtype=None, l
     runtime.lm_head = DenseLinear.of(runtime.embed_tokens).prepare_cpu() if tied else weights.linear(["lm_head"])
     runtime.cos_sin_cache = build_cos_sin_cache(spec.head_dim, spec.max_positions, spec.rope_theta,
                                                 spec.rope_scaling or None, device=device)
-    on_meta = [n for n, b in runtime.named_buffers() if b.device.type == "meta"]
+    on_meta = [f"{m}.{n}" if m else n for m, module in runtime.named_modules()
+               for n, b in module.named_buffers(recurse=False)
+               if b.device.type == "meta" and n not in getattr(module, "released", ())]
     if on_meta:
         raise ArtifactError(f"weights missing from the safetensors files: {', '.join(on_meta[:5])}")
     return runtime.eval()

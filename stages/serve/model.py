@@ -153,6 +153,7 @@ class DenseLinear(nn.Module):
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype) if bias else None)
         self.packed = self.weight_t = self.native = self.bias_f32 = None  # CPU layouts, set by prepare_cpu()
         self.native_rows = 0  # calls of up to this many rows take the native GEMV
+        self.released: tuple[str, ...] = ()  # buffers left on the meta device once their layouts exist
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "DenseLinear":
@@ -174,6 +175,11 @@ class DenseLinear(nn.Module):
             self.native = cpu_native.DenseWeight(w)
             self.native_rows = cpu_native.GEMV_MAX_ROWS[w.dtype]
             self.bias_f32 = None if self.bias is None else self.bias.float().contiguous()
+            # Both CPU paths now hold their own copy: the loaded one goes (one model's worth of memory; a tied
+            # lm_head's stays alive as the embedding). Shape and dtype remain, on the meta device: any
+            # use of the values yields meta tensors, never numbers.
+            self.weight = w.to("meta")
+            self.released = ("weight",)
         elif w.dtype == torch.float32:
             self.weight_t = w.t().contiguous()  # [K, N]
             self.weight = self.weight_t.t()  # a view: an unshared fused copy is freed

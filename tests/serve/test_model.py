@@ -294,3 +294,19 @@ def test_fused_native_decode_step_equals_the_per_layer_path(tmp_path, dtype, mon
     for a, b in zip(per_layer, one_call):
         assert torch.equal(a, b)
     assert torch.equal(cache_a, cache_b)  # the same keys and values were cached
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_linear_lets_the_loaded_weight_go_once_both_cpu_layouts_exist(dtype):
+    if not cpu_native.gemv_available():
+        pytest.skip("native GEMV needs a C compiler and an AVX-512 CPU")
+    g = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(24, 40, generator=g).to(dtype), torch.randn(24, generator=g).to(dtype)
+    layer = DenseLinear.of(weight.clone(), bias).prepare_cpu()
+    assert layer.weight.device.type == "meta" and layer.weight.shape == (24, 40) and layer.released == ("weight",)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for rows in (1, 2, 3, 9, 40):  # the native GEMV, then oneDNN: both from their own copies
+        x = torch.randn(rows, 40, generator=g).to(dtype)
+        torch.testing.assert_close(layer(x).float(), F.linear(x, weight, bias).float(), rtol=tol, atol=tol)
+    # nothing can compute numbers from the released values: torch only propagates the meta device
+    assert F.linear(torch.randn(1, 40).to(dtype), layer.weight).device.type == "meta"
