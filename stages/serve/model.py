@@ -176,8 +176,8 @@ class DenseLinear(nn.Module):
             self.native_rows = cpu_native.GEMV_MAX_ROWS[w.dtype]
             self.bias_f32 = None if self.bias is None else self.bias.float().contiguous()
             # Both CPU paths now hold their own copy: the loaded one goes (one model's worth of memory; a tied
-            # lm_head's stays alive as the embedding). Shape and dtype remain, on the meta device: any
-            # use of the values yields meta tensors, never numbers.
+            # lm_head's stays alive as the embedding). Shape and dtype remain, on the meta device; forward
+            # refuses every path that would need the values (torch's CPU ops read a meta tensor as garbage).
             self.weight = w.to("meta")
             self.released = ("weight",)
         elif w.dtype == torch.float32:
@@ -187,6 +187,9 @@ class DenseLinear(nn.Module):
 
     def forward(self, x):
         if self.packed is None or x.device.type != "cpu":
+            if self.released:
+                raise RuntimeError(f"DenseLinear: prepared for CPU (its loaded weight was released); got {x.device} "
+                                   "input. Load the runtime on the device it runs on.")
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
         if rows <= self.native_rows:
