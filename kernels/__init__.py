@@ -41,8 +41,9 @@ Native CPU kernels (`cpu_native`: C in `csrc/`, built with gcc at first use, tor
     cpu_native.paged_decode(q, kv_rows, block_tables, context_lens, scale, block_size)
         decode attention read in place from a layer's cache rows [slots, K || V]; fp32 / bf16
     cpu_native.gemv(x, DenseWeight(w), bias) / gemv_w4(x, Int4Weight(q, scales, zeros, group), bias)
+        / gemv_w8(x, Int8Weight(q, scales, zeros, group), bias)
         decode-sized matmuls (AVX-512) on weights tiled once at load time, streamed once per call;
-        batch-invariant; fp32 arithmetic (W4A16 too)
+        batch-invariant; fp32 arithmetic (W4A16 and W8A16 too)
     cpu_native.add_rms_norm / silu_mul / rope_: a layer's small ops, one call each
     cpu_native.DecodeLayers(...).run(...): every decoder layer of a decode step in one call
 
