@@ -253,8 +253,7 @@ def _tiles(w: torch.Tensor, step: int) -> torch.Tensor:
 
 
 class DenseWeight:
-    """An fp32 or bf16 weight [N, K] stored once in csrc/gemv.c's tiled layout (a copy: the caller keeps the
-    original for its other kernels)."""
+    """An fp32 or bf16 weight [N, K] copied once into csrc/gemv.c's tiled layout."""
 
     def __init__(self, weight: torch.Tensor):
         if weight.dim() != 2 or weight.dtype not in _ELEM:
@@ -291,7 +290,7 @@ class Int4Weight:
                              f"scales [N, K / group] (got {tuple(scales.shape)})")
         steps = _tiles(q.to(torch.uint8), 32)  # [T, K / 32, 4, 32]
         self.tiles = (steps[..., :16] | (steps[..., 16:] << 4)).contiguous()  # [T, K / 32, 4, 16]
-        self.scales = _tiles(scales.float(), 1).contiguous()  # [T, G, 4, 1]
+        self.scales = _tiles(scales.float(), 1)  # [T, G, 4, 1]
         self.zeros = None if zeros is None else _tiles(zeros.to(torch.uint8).reshape(n, k // group), 1)
         self.group, self.in_features, self.out_features = group, k, n
 
@@ -316,7 +315,6 @@ def gemv_w4(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = Non
     return _quant_gemv("gemv_w4", x, weight, bias)
 
 
-
 class Int8Weight:
     """A W8 weight in csrc/gemv.c's tiled int8 layout: tiles of 4 rows, steps of 16 inputs (K zero-padded);
     fp32 scales and int8 zero points (None: symmetric) [tiles, groups, 4]; `group` >= K means one group
@@ -330,8 +328,8 @@ class Int8Weight:
                              f"K={k} are needed (got {q.dtype}, group {group}, scales {tuple(scales.shape)})")
         groups = scales.reshape(n, -1).shape[1]
         self.tiles = _tiles(q, 16)
-        self.scales = _tiles(scales.float().reshape(n, groups), 1).contiguous()
-        self.zeros = None if zeros is None else _tiles(zeros.to(torch.int8).reshape(n, groups), 1).contiguous()
+        self.scales = _tiles(scales.float().reshape(n, groups), 1)
+        self.zeros = None if zeros is None else _tiles(zeros.to(torch.int8).reshape(n, groups), 1)
         self.group = k if groups == 1 else group
         self.in_features, self.out_features = k, n
 
@@ -344,6 +342,7 @@ class Int8Weight:
 def gemv_w8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ dequantized(weight).T (+ bias, fp32) -> [M, N] in x's dtype, fp32 arithmetic."""
     return _quant_gemv("gemv_w8", x, weight, bias)
+
 
 # --- small per-layer ops (csrc/ops.c) -------------------------------------------------------------------
 def ops_supported(dtype: torch.dtype) -> bool:
@@ -432,12 +431,13 @@ class DecodeLayers:
 
     def __init__(self, layers: list[tuple[_Linear, _Linear, _Linear, _Linear, torch.Tensor, torch.Tensor]],
                  dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
-                 keep: list):
+                 keep: list, max_rows: int):
+        """`max_rows`: the most sequences a step may have (the smallest row limit of the layers' GEMVs)."""
         self.array = (_Layer * len(layers))(*[_Layer(q, o, gu, d, n1.data_ptr(), n2.data_ptr())
                                               for q, o, gu, d, n1, n2 in layers])
         self.keep = keep
         self.dtype, self.hidden, self.heads, self.kv_heads = dtype, hidden, heads, kv_heads
-        self.head_dim, self.inter, self.eps = head_dim, inter, eps
+        self.head_dim, self.inter, self.eps, self.max_rows = head_dim, inter, eps, max_rows
 
     @_traced
     def run(self, residual: torch.Tensor, cos_sin: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor,

@@ -6,11 +6,12 @@
  * once, at load time, in tiles of 4 output rows (TILE_ROWS): tile t holds rows 4t..4t+3, and its
  * inputs come in steps, each step holding the 4 rows' next inputs side by side. A thread then reads one
  * contiguous slab of memory from start to end (one stream the hardware prefetcher follows; reading 4
- * separate rows measured 20-22 GB/s here, one stream 26-30), computes 4 outputs at a time, and reuses
+ * separate rows measured 20-26 GB/s here, one stream 26-30), computes 4 outputs at a time, and reuses
  * a tile from L1/L2 for all M rows of x.
  *
  * Weights: fp32 or bf16 (steps of 16 inputs, rows and inputs zero-padded to whole tiles and steps),
- * or int4 in groups (weight-only W4A16; steps of 32 inputs, see llmopt_gemv_w4).
+ * int4 in groups (weight-only W4A16; steps of 32 inputs, see llmopt_gemv_w4) or int8 per channel or in
+ * groups (W8A16; steps of 16, see llmopt_gemv_w8).
  * Activations and outputs: fp32 or bf16 (elem 0 / 1); arithmetic in fp32 throughout.
  *
  * Every output element is computed with the same operation order whatever M is and wherever its row

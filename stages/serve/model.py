@@ -369,8 +369,8 @@ class Runtime(nn.Module):
     @property
     def native_decode(self) -> "cpu_native.DecodeLayers | None":
         """Every decoder layer described for the native decode step (CPU, fp32/bf16, each projection on a
-        native GEMV: dense or int4), built on first use; None where any part is missing (W8 schemes,
-        mixed-scheme projections, tensor parallelism, no native library)."""
+        native GEMV: dense, int4 or int8), built on first use; None where any part is missing (W8A8,
+        mixed-scheme projections, tensor parallelism, no native library or no AVX-512)."""
         if getattr(self, "_native_decode", False) is False:
             self._native_decode = self._describe_native()
         return self._native_decode
@@ -390,10 +390,8 @@ class Runtime(nn.Module):
             rows += [d[1] for d in descs]
             keep += [t for d in descs for t in d[2]] + list(norms)
         spec = self.spec
-        fused = cpu_native.DecodeLayers(layers, self.dtype, spec.hidden_size, spec.num_heads, spec.num_kv_heads,
-                                        spec.head_dim, spec.intermediate_size, spec.rms_norm_eps, keep)
-        fused.max_rows = min(rows)
-        return fused
+        return cpu_native.DecodeLayers(layers, self.dtype, spec.hidden_size, spec.num_heads, spec.num_kv_heads,
+                                       spec.head_dim, spec.intermediate_size, spec.rms_norm_eps, keep, min(rows))
 
     def compute_logits(self, x, residual, indices, op_backend=None) -> torch.Tensor:
         """fp32 logits [R, vocab] of the rows `indices` only (final norm and lm_head skip the rest)."""
