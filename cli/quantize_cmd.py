@@ -29,6 +29,9 @@ def run(source: Source, output: Output, method: Method = "gptq", scheme: Scheme 
         device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = "cpu",
         dtype: DTypeOpt = DType.auto,
         eval_windows: Annotated[int, typer.Option("--eval-windows", min=0, help="Perplexity windows before/after (0: off).")] = 4,
+        embeddings: Annotated[str, typer.Option("--embeddings", help="keep | int8: the input embedding (and a tied "
+                              "lm_head) as RTN int8 groups. llmopt reads it; transformers only with "
+                              "CompressedTensorsConfig(dequantize=True) and W8A16 Linears; vLLM not.")] = "keep",
         force: Force = False, json: Json = False) -> None:
     from llmopt.stages.model_io import parse_dtype
     from llmopt.stages.quantize.run import run_quantize
@@ -47,7 +50,8 @@ def build_config(o: dict):
                             symmetric=not o["asym"], ignore=tuple(o["ignore"] or ()),
                             calib=CalibConfig(o["calib"], o["nsamples"], o["seqlen"], o["seed"]), damp=o["damp"],
                             act_order=o["act_order"], sink_share=o["sink_share"], observer=o["observer"], smoothing_alpha=o["alpha"],
-                            device=o["device"], eval_windows=o["eval_windows"])
+                            device=o["device"], eval_windows=o["eval_windows"],
+                            embeddings=o["embeddings"])
     config.validate()
     return config
 
@@ -57,6 +61,8 @@ def render(art, metrics: dict) -> None:
     cfg = art.manifest["config"]
     table.add_row("method / scheme", f"{cfg['method']} {cfg['scheme']} group {cfg['group_size']}"
                   f" {'sym' if cfg['symmetric'] else 'asym'}")
+    if cfg.get("embeddings", "keep") != "keep":
+        table.add_row("embeddings", cfg["embeddings"])
     table.add_row("weights on disk", human_bytes(metrics["size_bytes"]))
     if "quantize_seconds" in metrics:
         table.add_row("time", f"{metrics['quantize_seconds']:.1f} s")

@@ -63,13 +63,18 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
-def vocab_parallel_embedding(token_ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, group=None):
+def vocab_parallel_embedding(token_ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, group=None,
+                             lookup=None):
     """Rows of a vocabulary-sharded embedding: each rank looks up the ids in its own range
-    [vocab_start, vocab_start + rows), zeros elsewhere; the all-reduce assembles every row."""
+    [vocab_start, vocab_start + rows), zeros elsewhere; the all-reduce assembles every row.
+    `lookup(local_ids)` gives the rows of this rank's `weight` where a plain F.embedding does not
+    (an int8 table dequantizes the rows it looks up)."""
     rows = weight.shape[0]
     local = token_ids - vocab_start
     mine = (local >= 0) & (local < rows)  # [T]
-    x = F.embedding(local.clamp(0, rows - 1), weight) * mine.unsqueeze(-1).to(weight.dtype)  # [T, H]
+    local = local.clamp(0, rows - 1)
+    x = F.embedding(local, weight) if lookup is None else lookup(local)  # [T, H]
+    x = x * mine.unsqueeze(-1).to(x.dtype)
     if world_size(group) > 1:
         dist.all_reduce(x, group=group)
     return x

@@ -6,6 +6,8 @@ engine must not import the quantize stage. Layout per quantized Linear `NAME`:
   [out, in/g], `NAME.weight_shape` int64 [2], and `NAME.weight_zero_point` (packed over out) if asymmetric;
 - int-quantized (W8A8): `NAME.weight` int8 [out, in], `NAME.weight_scale` [out, 1]; activations are
   quantized dynamically per token at run time.
+A quantized Embedding (`--embeddings int8`) takes the pack-quantized layout of a Linear [vocab, hidden]
+in a config group of its own; a tied lm_head has no tensors of its own and follows it.
 """
 from __future__ import annotations
 
@@ -51,21 +53,28 @@ def _targets(names: list[str], all_linears: list[str]) -> list[str]:
     return targets
 
 
-def build_quantization_config(schemes: dict[str, LinearScheme], all_linears: list[str]) -> dict:
-    """config.json `quantization_config` for the given per-Linear schemes."""
+def _config_group(targets: list[str], scheme: LinearScheme) -> dict:
+    act = None
+    if scheme.activations:
+        act = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token",
+               "group_size": None}
+    return {"targets": targets, "weights": _weights_args(scheme), "input_activations": act,
+            "output_activations": None, "format": scheme.format}
+
+
+def build_quantization_config(schemes: dict[str, LinearScheme], all_linears: list[str],
+                              embeddings: dict[str, LinearScheme] | None = None) -> dict:
+    """config.json `quantization_config` for the given per-Linear schemes, and per-Embedding ones
+    (`--embeddings int8`: a group of its own, targeted by the module's name)."""
     groups: dict[LinearScheme, list[str]] = defaultdict(list)
     for name, scheme in schemes.items():
         groups[scheme].append(name)
-    config_groups = {}
-    for i, (scheme, names) in enumerate(sorted(groups.items(), key=lambda kv: -len(kv[1]))):
-        act = None
-        if scheme.activations:
-            act = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token",
-                   "group_size": None}
-        config_groups[f"group_{i}"] = {"targets": _targets(names, all_linears), "weights": _weights_args(scheme),
-                                       "input_activations": act, "output_activations": None,
-                                       "format": scheme.format}
-    formats = {s.format for s in groups}
+    config_groups = {f"group_{i}": _config_group(_targets(names, all_linears), scheme)
+                     for i, (scheme, names) in enumerate(sorted(groups.items(), key=lambda kv: -len(kv[1])))}
+    for name, scheme in (embeddings or {}).items():
+        leaf = re.escape(name.rsplit(".", 1)[-1])
+        config_groups[f"group_{len(config_groups)}"] = _config_group([f"re:.*{leaf}$"], scheme)
+    formats = {s.format for s in groups} | {s.format for s in (embeddings or {}).values()}
     return {"quant_method": "compressed-tensors", "format": formats.pop() if len(formats) == 1 else "mixed-precision",
             "quantization_status": "compressed", "config_groups": config_groups,
             "ignore": sorted(n for n in all_linears if n not in schemes), "kv_cache_scheme": None,
@@ -93,8 +102,9 @@ def _match(name: str, target: str) -> bool:
     return name == target
 
 
-def parse_schemes(qconfig: dict, linear_names: list[str]) -> dict[str, LinearScheme]:
-    """Which Linear gets which scheme, from a compressed-tensors quantization_config."""
+def parse_schemes(qconfig: dict, linear_names: list[str], embedding_names: list[str] = ()) -> dict[str, LinearScheme]:
+    """Which Linear (and Embedding) gets which scheme, from a compressed-tensors quantization_config.
+    A class target ("Linear", "Embedding") applies to the modules of that kind only."""
     if qconfig.get("quant_method") != "compressed-tensors":
         raise ArtifactError(f"quantization method {qconfig.get('quant_method')!r} is not compressed-tensors")
     ignore = qconfig.get("ignore") or []
@@ -105,10 +115,11 @@ def parse_schemes(qconfig: dict, linear_names: list[str]) -> dict[str, LinearSch
             raise ArtifactError(f"compressed-tensors weights of type {w.get('type')} are not supported (int only)")
         scheme = LinearScheme(int(w["num_bits"]), int(w.get("group_size") or -1), bool(w.get("symmetric", True)),
                               act is not None)
-        for name in linear_names:
+        kinds = [(n, "Linear") for n in linear_names] + [(n, "Embedding") for n in embedding_names]
+        for name, kind in kinds:
             if any(_match(name, i) for i in ignore):
                 continue
-            if "Linear" in group["targets"] or any(_match(name, t) for t in group["targets"]):
+            if kind in group["targets"] or any(_match(name, t) for t in group["targets"]):
                 schemes[name] = scheme
     return schemes
 
@@ -140,13 +151,15 @@ def dequantize_codes(q: torch.Tensor, scale: torch.Tensor, zero_point, dtype: to
 def materialize(model, state: dict, qconfig: dict, dtype: torch.dtype) -> dict:
     """Prepare a meta-built `model` and its compressed `state` for `load_state_dict(assign=True)`.
 
-    Weight-only Linears become dense weights (exactly `(q - zero) * scale`, the numbers the
-    quantizer evaluated); W8A8 Linears become runtime modules that quantize activations per token.
+    Weight-only Linears and quantized Embeddings become dense weights (exactly `(q - zero) * scale`,
+    the numbers the quantizer evaluated); W8A8 Linears become runtime modules that quantize
+    activations per token.
     """
     from torch import nn
 
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    schemes = parse_schemes(qconfig, names)
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    embeddings = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    schemes = parse_schemes(qconfig, linears, embeddings)  # a quantized Embedding: dense again, a tied lm_head with it
     state = dict(state)
     for name, scheme in schemes.items():
         q, scale, zp = decompress_linear(state, name, scheme)

@@ -22,6 +22,7 @@ METHODS = {
     "bnb": ("NF4", "INT8"),
 }
 NEEDS_CALIBRATION = ("gptq", "awq", "smoothquant")
+EMBEDDINGS = ("keep", "int8")  # the input embedding: left as is, or RTN int8 group-wise (and a tied lm_head with it)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class QuantizeConfig:
     device: str = "cpu"
     batch_size: int = 8
     eval_windows: int = 8
+    embeddings: str = "keep"
 
     def validate(self) -> None:
         if self.method not in METHODS:
@@ -68,6 +70,11 @@ class QuantizeConfig:
             raise ConfigError(f"--sink-share must lie in [0, 1) (got {self.sink_share})")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device must be cpu or cuda (got {self.device})")
+        if self.embeddings not in EMBEDDINGS:
+            raise ConfigError(f"unknown --embeddings {self.embeddings}; choose one of {', '.join(EMBEDDINGS)}")
+        if self.embeddings != "keep" and self.method == "bnb":
+            raise ConfigError(f"--embeddings {self.embeddings} does not go with --method bnb; use --embeddings keep "
+                              f"(int8 embeddings need --method {', '.join(m for m in METHODS if m != 'bnb')})")
         if self.eval_windows < 0:
             raise ConfigError("--eval-windows must be >= 0")
         if self.method in NEEDS_CALIBRATION:

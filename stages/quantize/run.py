@@ -13,6 +13,7 @@ from ..safetensors_io import ShardWriter
 from ..source import Loaded, load, source_record
 from ..stage_eval import evaluate_written, perplexity
 from .config import QuantizeConfig
+from .embeddings import quantize_embedding
 from .stage import (QuantizeHooks, check_not_quantized, per_layer_table, plan_targets, quantization_config_of,
                     quantize_model, rest_of_state)
 
@@ -38,14 +39,15 @@ def run_quantize(source_ref: str, dest: Path, config: QuantizeConfig, dtype: tor
         shards = ShardWriter(w.tmp)
         start = time.perf_counter()
         method, reports = quantize_model(loaded.model, loaded.tokenizer, config, hooks, sink=shards.add)
+        embedding = quantize_embedding(loaded.model, config.embeddings)  # None: kept as is
         seconds = time.perf_counter() - start
         hooks.status(f"writing {dest}")
-        shards.add(rest_of_state(loaded.model, method))
+        shards.add(rest_of_state(loaded.model, method, embedding))
         shards.close()
-        save_model_files(loaded.model, loaded.tokenizer, w.tmp, quantization_config_of(loaded.model, method))
+        save_model_files(loaded.model, loaded.tokenizer, w.tmp, quantization_config_of(loaded.model, method, embedding))
         art = w.commit("quantize", config.to_dict(), loaded.artifact, _source(loaded), model=info,
                        metrics={"size_bytes": _weights_bytes(w.tmp), "quantize_seconds": round(seconds, 1),
-                                "quantization": per_layer_table(method, reports)})
+                                "quantization": per_layer_table(method, reports, embedding)})
     _evaluate_written(art, config, hooks, base)
     return art
 

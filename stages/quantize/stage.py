@@ -12,6 +12,7 @@ from ..errors import ConfigError
 from ..progress import StageHooks
 from ..layerwise import decoder_layers, run_layerwise
 from .config import QuantizeConfig
+from .embeddings import EMBED, QuantizedEmbedding
 from .methods import AWQ, GPTQ, LayerQuantizer, SmoothQuant
 from .rtn import QuantArgs, resolve_group_size
 
@@ -96,24 +97,30 @@ def quantize_model(model, tokenizer, config: QuantizeConfig, hooks: QuantizeHook
     return method, reports
 
 
-def rest_of_state(model, method: LayerQuantizer) -> dict:
-    """The tensors not written per layer: embeddings, norms, lm_head, unquantized Linears."""
+def rest_of_state(model, method: LayerQuantizer, embedding: QuantizedEmbedding | None = None) -> dict:
+    """The tensors not written per layer: embeddings (compressed if quantized), norms, lm_head,
+    unquantized Linears."""
     written = {f"{name}.{suffix}" for name in method.results for suffix in ("weight", "bias")}
-    return {k: v for k, v in model.state_dict().items() if k not in written}
+    written |= embedding.replaces if embedding else set()  # a tied lm_head is the quantized embedding
+    rest = {k: v for k, v in model.state_dict().items() if k not in written}
+    return {**rest, **embedding.tensors} if embedding else rest
 
 
-def quantization_config_of(model, method: LayerQuantizer) -> dict:
+def quantization_config_of(model, method: LayerQuantizer, embedding: QuantizedEmbedding | None = None) -> dict:
     from ..compressed import LinearScheme, build_quantization_config
 
     schemes = {name: LinearScheme(r.args.bits, r.args.group_size, r.args.symmetric, r.activations)
                for name, r in method.results.items()}
-    return build_quantization_config(schemes, linear_names(model))
+    embeddings = {EMBED: embedding.scheme} if embedding else None
+    return build_quantization_config(schemes, linear_names(model), embeddings)
 
 
-def per_layer_table(method: LayerQuantizer, reports: list) -> dict:
-    """Manifest record: each quantized Linear's bits / group size, and each layer's error stats."""
+def per_layer_table(method: LayerQuantizer, reports: list, embedding: QuantizedEmbedding | None = None) -> dict:
+    """Manifest record: each quantized Linear's bits / group size, and each layer's error stats (and the
+    quantized embedding's, if any)."""
     layers = {name: {"bits": r.args.bits, "group_size": r.args.group_size, "symmetric": r.args.symmetric,
                      "activations": "int8-per-token" if r.activations else None}
               for name, r in method.results.items()}
-    return {"linears": layers, "layers": [{"index": r.index, "seconds": round(r.seconds, 3), **r.stats}
-                                          for r in reports]}
+    table = {"linears": layers, "layers": [{"index": r.index, "seconds": round(r.seconds, 3), **r.stats}
+                                           for r in reports]}
+    return {**table, "embeddings": embedding.record()} if embedding else table

@@ -5,7 +5,8 @@ safetensors tensors (q/k/v and gate/up concatenated along the output dimension w
 scheme), then the remaining tensors (embedding, norms) are assigned without a copy unless the
 dtype or device changes. Quantized artifacts (compressed-tensors W4A16/W8A16 pack-quantized,
 W8A8 int-quantized) load into the quantized linears of `llmopt.kernels`, with each Linear's
-group size as its config group records it.
+group size as its config group records it. An int8 embedding (`--embeddings int8`) stays int8 in
+memory; a tied lm_head is then an int8 linear over the same codes.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from .model import ConcatLinear, DenseLinear, Runtime, spec_from_config
 PROJECTIONS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
                "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
 NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+EMBED = "model.embed_tokens"
 
 
 def locate(ref: str) -> tuple[Path, list[str]]:
@@ -104,8 +106,10 @@ def build_runtime(config: dict, state: dict, device: torch.device, dtype=None, l
         for attr, parts in PROJECTIONS.items():
             setattr(layer, attr, weights.linear([f"model.layers.{i}.{p}" for p in parts]))
     runtime.load_state_dict(weights.rest(spec.num_layers), strict=False, assign=True)
+    runtime.embed_tokens, runtime.embed_scale = weights.embedding()
     tied = spec.tie_word_embeddings or not weights.has("lm_head")
-    runtime.lm_head = DenseLinear.of(runtime.embed_tokens).prepare_cpu() if tied else weights.linear(["lm_head"])
+    runtime.lm_head = weights.tied_lm_head(runtime.embed_tokens, runtime.embed_scale) if tied \
+        else weights.linear(["lm_head"])
     runtime.cos_sin_cache = build_cos_sin_cache(spec.head_dim, spec.max_positions, spec.rope_theta,
                                                 spec.rope_scaling or None, device=device)
     on_meta = [f"{m}.{n}" if m else n for m, module in runtime.named_modules()
@@ -122,7 +126,7 @@ class _Weights:
     def __init__(self, state: dict, qconfig: dict | None, num_layers: int, device, dtype, backend):
         self.state, self.device, self.dtype, self.backend = state, device, dtype, backend
         names = [f"model.layers.{i}.{p}" for i in range(num_layers) for ps in PROJECTIONS.values() for p in ps]
-        self.schemes = parse_schemes(qconfig, names + ["lm_head"]) if qconfig else {}
+        self.schemes = parse_schemes(qconfig, names + ["lm_head"], [EMBED]) if qconfig else {}
 
     def has(self, name: str) -> bool:
         return any(k.startswith(name + ".") for k in self.state)
@@ -136,12 +140,30 @@ class _Weights:
         return t.to(device=self.device, dtype=self.dtype if convert else t.dtype)
 
     def rest(self, num_layers: int) -> dict:
-        """Embedding and norm weights under the runtime's names."""
-        out = {"embed_tokens": self.tensor("model.embed_tokens.weight"), "norm": self.tensor("model.norm.weight")}
+        """Norm weights under the runtime's names."""
+        out = {"norm": self.tensor("model.norm.weight")}
         for i in range(num_layers):
             for ours, theirs in NORMS.items():
                 out[f"layers.{i}.{ours}"] = self.tensor(f"model.layers.{i}.{theirs}.weight")
         return out
+
+    def embedding(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(table, None) for a dense embedding; (int8 codes [vocab, H], scales [vocab, H/g]) for a quantized one."""
+        scheme = self.schemes.get(EMBED)
+        if scheme is None:
+            return self.tensor(f"{EMBED}.weight"), None
+        if scheme.bits != 8 or not scheme.symmetric or scheme.activations:
+            raise ArtifactError(f"{EMBED}: {scheme.bits}-bit {'symmetric' if scheme.symmetric else 'asymmetric'} "
+                                "embeddings cannot be served (symmetric int8 only, as `--embeddings int8` writes)")
+        q, scale, _ = decompress_linear(self.state, EMBED, scheme)
+        return q.to(self.device), scale.to(self.device)
+
+    def tied_lm_head(self, table: torch.Tensor, scale: torch.Tensor | None) -> nn.Module:
+        """A tied model's lm_head: the embedding matrix; an int8 one runs through the int8 linear on its codes."""
+        if scale is None:
+            return DenseLinear.of(table).prepare_cpu()
+        layer = _quant_linear(self.schemes[EMBED], [{"weight": table, "weight_scale": scale}], None, self.backend)
+        return self._on_cpu_kernels(layer, None)
 
     def linear(self, names: list[str]) -> nn.Module:
         """One module computing the concatenated outputs of the Linears `names`."""
@@ -153,6 +175,10 @@ class _Weights:
         if scheme is None:
             return DenseLinear.of(_cat([self.tensor(f"{n}.weight") for n in names]), bias).prepare_cpu()
         layer = _quant_linear(scheme, [self._quant_part(n, scheme) for n in names], bias, self.backend)
+        return self._on_cpu_kernels(layer, bias)
+
+    def _on_cpu_kernels(self, layer: nn.Module, bias) -> nn.Module:
+        """`layer`, or with (or as) a dense copy where no CPU kernel takes its layout."""
         weight_only = isinstance(layer, (W4A16Linear, W8A16Linear))
         if weight_only and self.backend is None and self.device.type == "cpu" and layer.cpu_weight is None:
             # No torch CPU kernel takes this layout (group-wise int8, odd shapes): its reference twin would

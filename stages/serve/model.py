@@ -18,6 +18,7 @@ from torch import nn
 
 from llmopt.kernels import cpu_native, rms_norm, silu_and_mul
 from llmopt.kernels.parallel import gather_vocab, vocab_parallel_embedding
+from llmopt.kernels.wq_matmul import dequantize_ref
 
 from ..errors import ConfigError
 
@@ -319,12 +320,17 @@ class DecoderLayer(nn.Module):
 
 
 class Runtime(nn.Module):
-    """Embedding, decoder layers, final norm and lm_head (tied: the embedding matrix)."""
+    """Embedding, decoder layers, final norm and lm_head (tied: the embedding matrix).
+
+    The embedding is a dense table, or int8 codes [vocab, H] with group scales `embed_scale` [vocab, H/g]
+    (`--embeddings int8`): a lookup dequantizes only the rows it reads, and a tied lm_head shares the codes.
+    """
 
     def __init__(self, spec: ModelSpec, dtype=None):
         super().__init__()
         self.spec = spec
         self.register_buffer("embed_tokens", torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype))
+        self.register_buffer("embed_scale", None)
         self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(spec.num_layers))
         self.register_buffer("norm", torch.empty(spec.hidden_size, dtype=dtype))
         self.lm_head = DenseLinear(spec.hidden_size, spec.vocab_size, dtype=dtype)
@@ -333,11 +339,11 @@ class Runtime(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.dtype
+        return self.norm.dtype  # the embedding may hold int8 codes
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.device
+        return self.norm.device
 
     @property
     def vocab_size(self) -> int:
@@ -345,9 +351,15 @@ class Runtime(nn.Module):
         return self.tp.vocab_size if self.tp is not None else self.spec.vocab_size
 
     def embed(self, token_ids):
+        lookup = None if self.embed_scale is None else self._dequantized_rows
         if self.tp is None:
-            return F.embedding(token_ids, self.embed_tokens)
-        return vocab_parallel_embedding(token_ids, self.embed_tokens, self.tp.vocab_start, self.tp.group)
+            return F.embedding(token_ids, self.embed_tokens) if lookup is None else lookup(token_ids)
+        return vocab_parallel_embedding(token_ids, self.embed_tokens, self.tp.vocab_start, self.tp.group, lookup)
+
+    def _dequantized_rows(self, token_ids):
+        """Rows [T, H] of the int8 table, `q * scale` in fp32 then the runtime's dtype (as the eval path)."""
+        codes, scale = self.embed_tokens[token_ids], self.embed_scale[token_ids]  # [T, H], [T, H/g]
+        return dequantize_ref(codes, scale, 0, codes.shape[1] // scale.shape[1]).to(self.dtype)
 
     def forward(self, token_ids, attn, kv_caches):
         """token_ids [T] -> (hidden, residual) [T, H] before the final norm. kv_caches: one cache per layer

@@ -3,7 +3,8 @@
 Quantized Linears are split on their integer codes, never re-quantized: column-parallel layers take
 whole output rows (codes, scales and zero points of those rows); row-parallel layers take input
 columns on group boundaries (their scale and zero-point columns go with them), and per-channel
-scales, which belong to output rows, are kept whole on every rank.
+scales, which belong to output rows, are kept whole on every rank. An int8 embedding (and its tied
+lm_head) is split like a column-parallel layer: vocabulary rows of codes and scales.
 """
 from __future__ import annotations
 

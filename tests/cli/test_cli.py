@@ -27,6 +27,9 @@ def _err_line(capsys) -> str:
     (["quantize", "smollm2-135m", "-o", "x", "--method", "magic"], "unknown --method magic"),
     (["quantize", "smollm2-135m", "-o", "x", "--group-size", "48"], "power of two"),
     (["quantize", "smollm2-135m", "-o", "x", "--method", "rtn", "--scheme", "NF4"], "does not make NF4"),
+    (["quantize", "smollm2-135m", "-o", "x", "--embeddings", "int4"], "unknown --embeddings int4; choose one of keep"),
+    (["quantize", "smollm2-135m", "-o", "x", "--method", "bnb", "--scheme", "NF4", "--embeddings", "int8"],
+     "use --embeddings keep"),
 ])
 def test_user_errors_give_one_line_and_exit_2(argv, expect, capsys):
     assert main(argv) == 2

@@ -30,7 +30,10 @@ SCHEMES = {"w4-sym": dict(scheme="W4A16", group_size="32"), "w4-asym": dict(sche
                                                                               symmetric=False),
            "w4-auto": dict(scheme="W4A16"), "w8-group": dict(scheme="W8A16", group_size="32"),
            "w8-channel": dict(scheme="W8A16", group_size="-1"), "w8a8": dict(scheme="W8A8"),
-           "w4-ignore-k": dict(scheme="W4A16", group_size="32", ignore=("re:.*k_proj$",))}
+           "w4-ignore-k": dict(scheme="W4A16", group_size="32", ignore=("re:.*k_proj$",)),
+           "w4-emb8": dict(scheme="W4A16", group_size="32", embeddings="int8")}
+BASES = {"untied": dict(hidden=64, tie=False),  # the base model with its own lm_head
+         "h192": dict(hidden=192)}  # embedding groups of 64 < hidden (as SmolLM2's 576)
 TOKENS = torch.randint(1, 300, (24,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
@@ -40,13 +43,15 @@ def artifacts(tmp_path_factory):
     write_hf_dir(root / "base", hidden=64)
     made = {}
 
-    def get(name):
-        if name not in made:
+    def get(name, base="base"):
+        if (name, base) not in made:
+            if not (root / base).exists():
+                write_hf_dir(root / base, **BASES[base])
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 cfg = QuantizeConfig(method="rtn", eval_windows=0, **SCHEMES[name])
-                made[name] = run_quantize(str(root / "base"), root / name, cfg).path
-        return made[name]
+                made[name, base] = run_quantize(str(root / base), root / f"{name}-{base}", cfg).path
+        return made[name, base]
 
     return get
 
@@ -91,7 +96,7 @@ def _run(path, backend):
     return [(runner.execute(seqs.step([(a, n)]))[0], TOKENS[:seqs.cached[a]]) for n in (16, 1, 1, 1, 1)]
 
 
-@pytest.mark.parametrize("name", ["w4-sym", "w4-asym", "w8-group", "w8-channel", "w4-ignore-k"])
+@pytest.mark.parametrize("name", ["w4-sym", "w4-asym", "w8-group", "w8-channel", "w4-ignore-k", "w4-emb8"])
 def test_reference_path_matches_dequantized_weights(artifacts, name):
     model = _dequantized_hf(artifacts(name))
     for out, tokens in _run(artifacts(name), "torch"):
@@ -104,7 +109,7 @@ def test_w8a8_reference_path_matches_per_token_int8_activations(artifacts):
         torch.testing.assert_close(out, hf_last_logits(model, tokens), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["w4-sym", "w4-asym", "w8-channel", "w8-group", "w8a8"])
+@pytest.mark.parametrize("name", ["w4-sym", "w4-asym", "w8-channel", "w8-group", "w8a8", "w4-emb8"])
 def test_cpu_fast_paths_stay_within_their_rounding_error(artifacts, name):
     exact = _dequantized_hf(artifacts(name))
     emulated = _round_inputs(_dequantized_hf(artifacts(name)), "int8" if name == "w8a8" else "bf16")
@@ -141,7 +146,7 @@ def test_mixed_schemes_in_one_projection_run_side_by_side(artifacts):
     assert [type(p).__name__ for p in qkv.parts] == ["W4A16Linear", "DenseLinear", "W4A16Linear"]
 
 
-@pytest.mark.parametrize("name", ["w4-asym", "w4-auto", "w8-channel", "w8-group"])
+@pytest.mark.parametrize("name", ["w4-asym", "w4-auto", "w8-channel", "w8-group", "w4-emb8"])
 def test_quantized_decode_runs_in_one_native_call_like_the_per_layer_path(artifacts, name):
     if not cpu_native.gemv_available():
         pytest.skip("native GEMV needs a C compiler and an AVX-512 CPU")
@@ -163,3 +168,36 @@ def test_quantized_decode_runs_in_one_native_call_like_the_per_layer_path(artifa
     assert all(torch.equal(x, y) for x, y in zip(per_layer, one_call))
     # W8A8 projections (dynamic int8 activations) have no native GEMV: their decode stays per layer
     assert load_runtime(str(artifacts("w8a8")))[0].native_decode is None
+
+
+@pytest.mark.parametrize("base, groups", [("base", 1), ("h192", 3)])
+def test_int8_embedding_stays_int8_and_a_tied_lm_head_shares_its_codes(artifacts, base, groups):
+    path = artifacts("w4-emb8", base)
+    model = load_model_dir(path)
+    ids = torch.tensor(TOKENS)
+    for backend in (None, "torch"):
+        runtime, _, _ = load_runtime(str(path), linear_backend=backend)
+        assert runtime.embed_tokens.dtype == torch.int8 and runtime.embed_scale.shape == (runtime.vocab_size, groups)
+        assert runtime.dtype == torch.float32
+        assert torch.equal(runtime.embed(ids), model.model.embed_tokens(ids))  # the rows the eval path holds
+        head = runtime.lm_head
+        if backend is None and not cpu_native.gemv_available():  # no int8 CPU kernel: dequantized once
+            assert isinstance(head, DenseLinear)
+            continue
+        assert isinstance(head, W8A16Linear) and head.weight is runtime.embed_tokens
+        assert backend is not None or head.native is not None  # the fast path: the native int8 GEMV
+        h = torch.randn(3, runtime.spec.hidden_size)
+        torch.testing.assert_close(head(h), model.lm_head(h), atol=1e-4, rtol=1e-4)  # fp32 arithmetic
+        h = torch.randn(12, runtime.spec.hidden_size)  # beyond the GEMV's rows: torch's int8 kernel (bf16
+        ref = model.lm_head(h)  # inputs) for channel-wise scales, else the dense fallback
+        budget = (model.lm_head(h.bfloat16().float()).bfloat16().float() - ref).norm()
+        assert (head(h) - ref).norm() <= 3 * budget + 1e-4 * ref.norm()
+
+
+def test_int8_embedding_beside_an_untied_lm_head(artifacts):
+    path = artifacts("w4-emb8", base="untied")
+    runtime, _, _ = load_runtime(str(path), linear_backend="torch")
+    assert runtime.embed_tokens.dtype == torch.int8 and isinstance(runtime.lm_head, DenseLinear)
+    model = _dequantized_hf(path)
+    for out, tokens in _run(path, "torch"):
+        torch.testing.assert_close(out, hf_last_logits(model, tokens), atol=1e-4, rtol=1e-4)

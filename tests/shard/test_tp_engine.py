@@ -1,5 +1,5 @@
 """Tensor-parallel serving on CPU over gloo: the same greedy tokens (and logprobs) as one process,
-for even and uneven head splits, dense and W4A16, through the real rank processes."""
+for even and uneven head splits, dense and W4A16 (also with an int8 embedding), through the real rank processes."""
 import warnings
 
 import pytest
@@ -30,6 +30,9 @@ def models(tmp_path_factory):
         warnings.simplefilter("ignore")
         run_quantize(str(root / "base"), root / "w4", QuantizeConfig(method="rtn", scheme="W4A16", group_size="16",
                                                                       eval_windows=0))
+        # int8 embedding (groups of 32) and tied lm_head: vocab-parallel on its codes
+        run_quantize(str(root / "base"), root / "w4-emb8", QuantizeConfig(method="rtn", scheme="W4A16", group_size="16",
+                                                                           eval_windows=0, embeddings="int8"))
     return root
 
 
@@ -44,7 +47,7 @@ def generate(ref) -> list:
             ranks.close()
 
 
-@pytest.mark.parametrize("name", ["base", "w4"])
+@pytest.mark.parametrize("name", ["base", "w4", "w4-emb8"])
 def test_tp2_and_tp4_match_one_process(models, name):
     reference = generate(models / name)
     for tp in (2, 4):
@@ -62,6 +65,18 @@ def test_rank_folders_hold_their_share(models):
     assert len(shares) == 2 and all(0.45 < s < 0.6 for s in shares)  # KV heads and norms are replicated
     assert Artifact.open(art.path).rank_files(1) == ["rank-01/model.safetensors"]
     assert art.tensor_parallel["ranks"][1]["q_heads"] == [3, 4, 5]
+
+
+def test_int8_embedding_is_split_on_its_codes(models):
+    from llmopt.stages.safetensors_io import load_dir
+
+    art = run_shard(str(models / "w4-emb8"), models / "w4-emb8-tp2-files", ShardConfig(2), force=True)
+    for rank, plan in enumerate(art.tensor_parallel["ranks"]):
+        state = load_dir(art.path, Artifact.open(art.path).rank_files(rank))
+        v0, v1 = plan["vocab"]
+        assert "model.embed_tokens.weight" not in state and "lm_head.weight" not in state
+        assert state["model.embed_tokens.weight_shape"].tolist() == [v1 - v0, 96]
+        assert state["model.embed_tokens.weight_scale"].shape == (v1 - v0, 3)
 
 
 def test_group_cut_refused_before_writing(models, tmp_path):
