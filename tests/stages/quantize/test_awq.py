@@ -167,3 +167,67 @@ def test_activation_sampler_without_norms():
     sampler = ActivationSampler(max_rows=8)
     sampler.add(torch.randn(4, 5, generator=gen(1)))
     assert sampler.sample().shape == (4, 5) and sampler.norms() is None
+
+
+def test_block_loss_sees_the_candidate_weights_and_decides():
+    # The default loss, written out as a block loss, picks the same scale; a block that ignores the
+    # first linear's output lets only the second one's error count.
+    x = outlier_inputs(n=256, cols=64, seed=12)
+    ws = [torch.randn(32, 64, generator=gen(13)), torch.randn(16, 64, generator=gen(14))]
+    ref = x @ torch.cat(ws).t()
+    s_default, best_default, _ = awq_search_scale(x, ws, ARGS)
+    s_block, best_block, _ = awq_search_scale(
+        x, ws, ARGS, block_loss=lambda c: ((x @ torch.cat(c).t() - ref) ** 2).mean(1).mean().item())
+    assert torch.equal(s_default, s_block) and best_block == pytest.approx(best_default, rel=1e-6)
+    seen = []
+
+    def second_only(c):
+        seen.append([t.shape for t in c])
+        return ((x @ c[1].t() - x @ ws[1].t()) ** 2).mean().item()
+    s_second, best, at_one = awq_search_scale(x, ws, ARGS, grid=10, block_loss=second_only)
+    assert seen[0] == [(32, 64), (16, 64)] and len(seen) == 11  # s = 1, then the grid
+    assert best <= at_one and not torch.equal(s_second, s_default)
+
+
+def test_attention_loss_judges_queries_keys_values_on_whole_sequences():
+    # The q/k/v scale search re-runs the attention on kept whole sequences (at most block_tokens tokens,
+    # whole sequences only), never does worse than no scaling, and leaves the model as fp as before
+    # quantization: the fold is exact.
+    from llmopt.stages.layerwise import run_layerwise
+    from llmopt.stages.quantize.methods import AWQ, _first_rows
+    from tests.helpers import make_model
+
+    model = make_model(100, seed=5, layers=2, hidden=64, heads=4, kv_heads=2)
+    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    method = AWQ({i: {n: QuantArgs(4, 16, True) for n in names} for i in range(2)}, block_tokens=40)
+    kept = []
+    see = method.see_inputs
+
+    def spy(batches):
+        see(batches)
+        kept.append([h.shape for h, _ in method._sequences])
+    method.see_inputs = spy
+    judged, attention_loss = [], method._attention_loss
+
+    def attention_spy(names):
+        loss = attention_loss(names)
+        judged.append(loss(list(layer_weights(names))))  # the unchanged weights: no error at all
+        return loss
+    method._attention_loss = attention_spy
+
+    def layer_weights(names):
+        return (method._layer.get_submodule(n).weight.data for n in names)
+    windows = torch.randint(0, 100, (6, 16), generator=gen(41))
+    reports = run_layerwise(model, windows, method, batch_size=4)
+    assert kept[0] == [torch.Size([2, 16, 64])]  # 40 tokens: two whole sequences of 16
+    assert judged == [0.0, 0.0]  # q/k/v of both layers judged by the attention output
+    for r in reports:
+        best_over_one = r.stats["awq_loss_vs_rtn"]
+        assert set(best_over_one) == {"self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj"}
+        assert all(v <= 1 for v in best_over_one.values())
+    kwargs = {"position_embeddings": (torch.zeros(1, 16, 8), torch.zeros(4, 16, 8)), "mask": torch.zeros(4, 1, 16, 16),
+              "n": 3}
+    cut = _first_rows(kwargs, 4, 2)
+    assert cut["position_embeddings"][0].shape[0] == 1 and cut["position_embeddings"][1].shape[0] == 2
+    assert cut["mask"].shape[0] == 2 and cut["n"] == 3
