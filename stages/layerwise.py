@@ -27,8 +27,6 @@ class LayerMethod(Protocol):
     def process(self, index: int, layer: nn.Module) -> dict:
         """Rewrite the layer's weights after observation; return per-layer statistics."""
 
-    # Optional: `see_inputs(batches)` receives the layer's inputs [(hidden [b, S, H], layer kwargs)]
-    # before `process`, for methods that judge a change by re-running part of the layer.
     # Optional: `finish(index, layer)` runs once the rewritten layer has produced the next layer's
     # inputs, e.g. to write the layer out and free its weights.
 
@@ -53,14 +51,13 @@ def decoder_layers(model) -> nn.ModuleList:
     return layers
 
 
-def to_device(obj, device):
-    """Tensors (also inside tuples and dicts, e.g. layer kwargs) moved to `device`."""
+def _to(obj, device):
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, tuple):
-        return tuple(to_device(o, device) for o in obj)
+        return tuple(_to(o, device) for o in obj)
     if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
+        return {k: _to(v, device) for k, v in obj.items()}
     return obj
 
 
@@ -92,7 +89,7 @@ def capture_inputs(model, windows: torch.Tensor, batch_size: int) -> list[tuple[
 def _forward_all(layer, batches, device, keep: bool):
     outs = []
     for hidden, kwargs in batches:
-        out = layer(to_device(hidden, device), **to_device(kwargs, device))
+        out = layer(_to(hidden, device), **_to(kwargs, device))
         out = out[0] if isinstance(out, tuple) else out
         if keep:
             outs.append((out.to(hidden.device), kwargs))
@@ -115,8 +112,6 @@ def run_layerwise(model, windows: torch.Tensor, method: LayerMethod, device: str
         finally:
             for h in handles:
                 h.remove()
-        if hasattr(method, "see_inputs"):
-            method.see_inputs(batches)
         with torch.no_grad():
             stats = method.process(index, layer)
         if index + 1 < len(layers):  # the last layer's outputs feed nothing

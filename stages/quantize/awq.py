@@ -8,8 +8,6 @@ An optional clipping search then shrinks each group's range where that lowers th
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import Tensor
 
@@ -51,36 +49,25 @@ def _weight_magnitude(W: Tensor, args: QuantArgs) -> Tensor:
     return wg.reshape(out, cols).mean(dim=0)
 
 
-BlockLoss = Callable[[list[Tensor]], float]
-
-
 def awq_search_scale(x: Tensor, weights: list[Tensor], args: QuantArgs, grid: int = 20,
-                     max_rows: int = 2048, row_weights: Tensor | None = None,
-                     block_loss: BlockLoss | None = None) -> tuple[Tensor, float, float]:
+                     max_rows: int = 2048, row_weights: Tensor | None = None) -> tuple[Tensor, float, float]:
     """Best per-input-channel scale s [in] for the linears sharing input x [..., in].
 
-    A candidate s replaces each weight W by fake_quant(W * s) / s (the same outputs as feeding
-    x / s to fake_quant(W * s), so x is never touched). Loss: by default the MSE of the linears'
-    outputs on x; a caller may pass `block_loss`, which takes the candidate weights (one per linear,
-    in order) and returns the error of the block they feed (the attention or the MLP output, as
-    AutoAWQ measures it), so an error counts as much as it matters downstream. s = 1 is always a
-    candidate, so the best loss never exceeds the loss without scaling. `row_weights` ([...], one
-    per row of x) weigh each token in the default loss and in the mean |x| (see `AWQ`: attention
-    sinks). Returns (s, best_loss, loss_at_s_equal_1).
+    Loss: MSE between x @ W^T and (x / s) @ fake_quant(W * s)^T over all the linears' outputs
+    (W = the weights stacked along the output dimension). s = 1 is always a candidate, so the
+    best loss never exceeds the loss without scaling. `row_weights` ([...], one per row of x)
+    weigh each token in the loss and in the mean |x| (see `AWQ`: attention sinks). Returns
+    (s, best_loss, loss_at_s_equal_1).
     """
     x, rw = subsample_rows(x, max_rows, row_weights)  # [n, in], [n] | None
-    Ws = [w.float() for w in weights]
-    W = torch.cat(Ws, dim=0)  # [sum out_i, in]
+    W = torch.cat([w.float() for w in weights], dim=0)  # [sum out_i, in]
+    ref = x @ W.t()  # [n, sum out_i]
     x_mean = _row_mean(x.abs(), rw).clamp(min=1e-8)
     w_mean = _weight_magnitude(W, args).clamp(min=1e-8)
-    if block_loss is None:
-        ref = x @ W.t()  # [n, sum out_i]
-
-        def block_loss(candidates: list[Tensor]) -> float:
-            return _row_mean((x @ torch.cat(candidates, dim=0).t() - ref).pow(2).mean(dim=1), rw).item()
 
     def loss_of(s: Tensor) -> float:
-        return block_loss([fake_quantize(w * s, args) / s for w in Ws])
+        wq = fake_quantize(W * s, args) / s  # == (x / s) @ fq(W * s)^T, without touching x
+        return _row_mean((x @ wq.t() - ref).pow(2).mean(dim=1), rw).item()
 
     best_s = torch.ones_like(x_mean)
     best = loss_at_1 = loss_of(best_s)

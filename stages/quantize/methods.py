@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 from ..compressed import LinearScheme, compress_linear
-from ..layerwise import to_device
-from .awq import apply_clip, awq_search_clip, awq_search_scale, subsample_rows
+from .awq import apply_clip, awq_search_clip, awq_search_scale
 from .fold import apply_scale_to_linears, apply_scale_to_norm, apply_scale_to_prev_linear
 from .gptq import HessianAccumulator, gptq_quantize, sink_token_weights, sink_weights_from_norms
 from .rtn import QuantArgs, compute_qparams, dequantize, quantize
@@ -25,7 +24,6 @@ SHARED_INPUTS = (
     ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
     ("mlp.up_proj", ("mlp.down_proj",)),
 )
-QKV, GATE_UP = SHARED_INPUTS[0][1], SHARED_INPUTS[1][1]
 
 
 @dataclass
@@ -233,10 +231,6 @@ class _Smoothing(LayerQuantizer):
 class AWQ(_Smoothing):
     """AWQ's scale and clipping searches, with attention-sink tokens given `sink_share` of the loss.
 
-    With `block_loss` (the default) a scale is judged as AutoAWQ judges it, by the output of the block
-    its linears feed: q/k/v by the attention output over whole sequences of the layer's inputs (up to
-    `block_tokens` tokens, see `see_inputs`), gate/up by the MLP output; down_proj by its own.
-
     Sinks (see `gptq.sink_token_weights`) are a token or two per window with residual norms tens
     of times the others'; in a plain mean they dominate both the mean |x| that shapes the scales
     and the output MSE that picks them. `sink_share` 0 is textbook AWQ."""
@@ -247,60 +241,10 @@ class AWQ(_Smoothing):
 
     def scale_for(self, sampler, weights, names):
         args = self.targets_args[names[0]]
-        rows, row_weights = sampler.sample(), self._row_weights(sampler)
-        block_loss = None
-        if self.block_loss and tuple(names) == QKV and self._sequences:
-            block_loss = self._attention_loss(names)
-        elif self.block_loss and tuple(names) == GATE_UP:
-            block_loss = self._mlp_loss(rows, row_weights)
-        s, best, at_one = awq_search_scale(rows, weights, args, row_weights=row_weights, block_loss=block_loss)
+        s, best, at_one = awq_search_scale(sampler.sample(), weights, args,
+                                           row_weights=self._row_weights(sampler))
         self.losses[names[0]] = (best, at_one)
         return s
-
-    def see_inputs(self, batches) -> None:
-        """Keep whole sequences (up to `block_tokens` tokens) of the layer's inputs for the attention loss."""
-        self._sequences, tokens = [], 0
-        for hidden, kwargs in batches:
-            take = min(hidden.shape[0], (self.block_tokens - tokens) // hidden.shape[1])
-            take = take if self._sequences else max(1, take)  # at least one sequence, however long
-            if take < 1:
-                break
-            self._sequences.append((hidden[:take], _first_rows(kwargs, hidden.shape[0], take)))
-            tokens += take * hidden.shape[1]
-
-    def _attention_loss(self, names):
-        """q/k/v candidates judged by the attention output over whole sequences (o_proj as it stands):
-        an error in a key that every later token attends to (the attention sink) counts for all of them."""
-        layer = self._layer
-        attn, linears = layer.self_attn, [layer.get_submodule(n) for n in names]
-        device = linears[0].weight.device
-        inputs = [(layer.input_layernorm(h.to(device)), to_device(kw, device)) for h, kw in self._sequences]
-        refs = [attn(hidden_states=x, **kw)[0].float() for x, kw in inputs]
-        count = sum(r.numel() for r in refs)
-
-        def loss(candidates):
-            originals = [m.weight.data for m in linears]
-            try:
-                for m, w in zip(linears, candidates):
-                    m.weight.data = w.to(m.weight.dtype)
-                return sum((attn(hidden_states=x, **kw)[0].float() - r).pow(2).sum().item()
-                           for (x, kw), r in zip(inputs, refs)) / count
-            finally:
-                for m, w in zip(linears, originals):
-                    m.weight.data = w
-        return loss
-
-    def _mlp_loss(self, rows, row_weights):
-        """gate/up candidates judged by the MLP output (down_proj as it stands) on the sampled rows."""
-        mlp = self._layer.mlp
-        x, rw = subsample_rows(rows, 2048, row_weights)
-        wd = mlp.down_proj.weight.data.float()
-        wg, wu = (mlp.gate_proj.weight.data.float(), mlp.up_proj.weight.data.float())
-
-        def out(ws):
-            return (mlp.act_fn(x @ ws[0].t()) * (x @ ws[1].t())) @ wd.t()
-        ref = out([wg, wu])
-        return lambda ws: _weighted_mean((out(ws) - ref).pow(2).mean(dim=1), rw)
 
     # AWQ leaves q/k unclipped: their errors pass through softmax, where the output MSE misleads.
     NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
@@ -313,14 +257,12 @@ class AWQ(_Smoothing):
             hooks.setdefault("", self._note_norms)
         return hooks
 
-    def __init__(self, targets, clip: bool = True, sink_share: float = 0.0, block_loss: bool = True,
-                 block_tokens: int = 8192):
+    def __init__(self, targets, clip: bool = True, sink_share: float = 0.0):
         super().__init__(targets)
-        self.clip, self.sink_share, self.block_loss, self.block_tokens = clip, sink_share, block_loss, block_tokens
-        self._sequences, self._layer = [], None
+        self.clip, self.sink_share = clip, sink_share
 
     def process(self, index, layer):
-        self.targets_args, self.losses, self._layer = self.targets.get(index, {}), {}, layer
+        self.targets_args, self.losses = self.targets.get(index, {}), {}
         spread = self._smooth_layer(index, layer)
         clipped = self._clip_layer(layer) if self.clip else {}
         self.samplers = {}
@@ -329,7 +271,6 @@ class AWQ(_Smoothing):
             stats["clipped_share"] = clipped
         stats["awq_loss_vs_rtn"] = {k: b / max(a, 1e-20) for k, (b, a) in self.losses.items()}
         stats["scale_spread"] = spread
-        self._sequences, self._layer = [], None
         return stats
 
     def _clip_layer(self, layer) -> dict:
@@ -348,21 +289,6 @@ class AWQ(_Smoothing):
             linear.weight.data = apply_clip(linear.weight.data, max_val, args)
             shares[name] = float((max_val < org).float().mean())
         return shares
-
-
-def _first_rows(obj, batch: int, take: int):
-    """Layer kwargs cut to the first `take` sequences of a batch of `batch` (broadcast ones kept)."""
-    if isinstance(obj, torch.Tensor):
-        return obj[:take] if obj.dim() and obj.shape[0] == batch and batch > 1 else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_first_rows(o, batch, take) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _first_rows(v, batch, take) for k, v in obj.items()}
-    return obj
-
-
-def _weighted_mean(values: torch.Tensor, weights: torch.Tensor | None) -> float:
-    return (values.mean() if weights is None else (values * weights).sum()).item()
 
 
 class SmoothQuant(_Smoothing):
