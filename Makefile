@@ -49,7 +49,7 @@ bench-kernels: $(STAMP)
 
 # The HTTP API against its own OpenAPI spec (make test runs a small bounded version): no 5xx.
 fuzz: $(STAMP)
-	LLMOPT_FUZZ_EXAMPLES=200 $(PY) -m pytest -q -p no:cacheprovider tests/serve/http/test_fuzz.py
+	LLMOPT_FUZZ_EXAMPLES=200 $(PY) -m pytest -q -p no:cacheprovider tests/stages/serve/http/test_fuzz.py
 	$(PY) scripts/fuzz_http.py --max-examples 200 --max-time 300
 
 clean:

@@ -24,7 +24,7 @@ def main() -> int:
     import torch
 
     from tests.helpers import write_hf_dir
-    from tests.serve.http.conftest import CHAT_TEMPLATE, serve
+    from tests.stages.serve.http.conftest import CHAT_TEMPLATE, serve
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

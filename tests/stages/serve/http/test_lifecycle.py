@@ -208,7 +208,7 @@ def test_the_grafana_dashboard_plots_exactly_the_exported_series(server):
     import re
     from pathlib import Path
 
-    dashboard = Path(__file__).parents[3] / "deploy/grafana/llmopt.json"
+    dashboard = Path(__file__).parents[4] / "deploy/grafana/llmopt.json"
     exprs = [t["expr"] for p in json.loads(dashboard.read_text())["panels"] for t in p["targets"]]
     plotted = {re.sub(r"_bucket$", "", n) for e in exprs for n in re.findall(r"llmopt:[a-z_]+", e)}
     with server.client() as client:

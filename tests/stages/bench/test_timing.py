@@ -8,7 +8,7 @@ from llmopt.stages.bench.config import BenchConfig
 from llmopt.stages.bench.dataset import BenchRequest
 from llmopt.stages.bench.metrics import percentile, summarize
 from llmopt.stages.bench.runner import arrival_offsets, run_bench
-from tests.bench.stub import FakeClock, Script, scripted_transport
+from tests.stages.bench.stub import FakeClock, Script, scripted_transport
 
 # Offsets are multiples of 1/64 s, so every sum below is exact in binary floating point.
 SCRIPTS = {

@@ -12,9 +12,9 @@ import pytest
 
 from llmopt.cli import bench_view
 from llmopt.cli.main import main
-from tests.bench.stub import free_port, serve_stub
+from tests.stages.bench.stub import free_port, serve_stub
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

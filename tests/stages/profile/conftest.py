@@ -5,7 +5,7 @@ import pytest
 
 from llmopt.stages.profile.config import ProfileConfig
 from tests.helpers import write_hf_dir
-from tests.serve.conftest import one_thread  # noqa: F401  (autouse: tiny models run faster on one thread)
+from tests.stages.serve.conftest import one_thread  # noqa: F401  (autouse: tiny models run faster on one thread)
 
 # Small enough to run in seconds; the 512-token prompt exceeds the tiny model's 256 positions on purpose.
 # threads=1: run_profile pins one thread while it measures and restores the caller's count after.

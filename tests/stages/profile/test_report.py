@@ -9,7 +9,7 @@ import pytest
 from llmopt.stages.errors import SourceError
 from llmopt.stages.profile.html import render_html, write_report
 from llmopt.stages.profile.run import manifest_perplexity, run_profile
-from tests.profile.conftest import PPL, TINY
+from tests.stages.profile.conftest import PPL, TINY
 
 
 def test_every_configured_point_is_measured_or_skipped_with_a_reason(report):

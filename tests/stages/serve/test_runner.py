@@ -7,7 +7,7 @@ from llmopt.stages.serve import runner as runner_mod
 from llmopt.stages.serve.loader import load_runtime
 from llmopt.stages.serve.model import spec_from_config
 from llmopt.stages.serve.runner import ModelRunner, kv_bytes_per_block, num_kv_blocks, parse_kv_cache_memory
-from tests.serve.runner_steps import Sequences, hf_last_logits
+from tests.stages.serve.runner_steps import Sequences, hf_last_logits
 
 CONFIG = dict(model_type="llama", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2)

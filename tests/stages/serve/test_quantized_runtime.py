@@ -24,7 +24,7 @@ from llmopt.stages.serve.loader import load_runtime
 from llmopt.stages.serve.model import ConcatLinear, DenseLinear
 from llmopt.stages.serve.runner import ModelRunner
 from tests.helpers import write_hf_dir
-from tests.serve.runner_steps import Sequences, hf_last_logits
+from tests.stages.serve.runner_steps import Sequences, hf_last_logits
 
 SCHEMES = {"w4-sym": dict(scheme="W4A16", group_size="32"), "w4-asym": dict(scheme="W4A16", group_size="32",
                                                                               symmetric=False),

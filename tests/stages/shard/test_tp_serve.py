@@ -15,7 +15,7 @@ import httpx
 from llmopt.stages.shard.config import ShardConfig
 from llmopt.stages.shard.run import run_shard
 from tests.helpers import write_hf_dir
-from tests.serve.http.test_cli_serve import free_port
+from tests.stages.serve.http.test_cli_serve import free_port
 
 
 def children(pid: int) -> list[int]:

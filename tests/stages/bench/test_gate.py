@@ -54,7 +54,7 @@ def test_plot_of_a_run_without_completions(tmp_path):
 
 
 def test_bench_imports_nothing_of_the_serve_engine():
-    for path in (Path(__file__).parents[2] / "stages" / "bench").glob("*.py"):
+    for path in (Path(__file__).parents[3] / "stages" / "bench").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 assert "serve" not in (node.module or ""), f"{path.name} imports {node.module}"

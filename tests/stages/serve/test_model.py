@@ -12,7 +12,7 @@ from llmopt.stages.serve.loader import load_runtime
 from llmopt.stages.serve.model import ROW_CHUNK, SUPPORTED_ARCHITECTURES, DenseLinear, prebuild_row_buckets, row_bucket, \
     spec_from_config
 from llmopt.stages.serve.runner import ModelRunner
-from tests.serve.runner_steps import Sequences, hf_last_logits, save_hf
+from tests.stages.serve.runner_steps import Sequences, hf_last_logits, save_hf
 
 VOCAB = 300
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
