@@ -58,7 +58,7 @@ def engine_ms_per_token(source: str, prompt_ids: list[list[int]], tokens: int, d
     engine.generate([prompt_ids[0]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
     per_prompt = []
     for i, p in enumerate(prompt_ids):
-        engine.add_sequence(engine.make_sequence(f"decode-{i}", None, params, p))
+        engine.add_request(f"decode-{i}", params=params, prompt_token_ids=p)
         steps = []
         while engine.has_unfinished():
             start = time.perf_counter()

@@ -129,7 +129,7 @@ class GenerateJob:
         done = completed_ids(self.output)
         self.total = len(records)
         self.todo = {r.key: r for r in records if r.key not in done}
-        self.seqs = [_sequence(engine, r, params) for r in self.todo.values()]
+        self.requests = [_request(engine, r, params) for r in self.todo.values()]
 
     def run(self, on_progress: Callable[[int, int], None] = lambda done, total: None) -> GenerateReport:
         start = time.perf_counter()
@@ -137,8 +137,8 @@ class GenerateJob:
         on_progress(0, len(self.todo))
         self.output.parent.mkdir(parents=True, exist_ok=True)
         with open(self.output, "a", encoding="utf-8") as sink:
-            for seq in self.seqs:
-                self.engine.add_sequence(seq)
+            for request in self.requests:
+                self.engine.submit(request)
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.finished:
@@ -152,10 +152,10 @@ class GenerateJob:
         return report
 
 
-def _sequence(engine, record: PromptRecord, params: SamplingParams):
+def _request(engine, record: PromptRecord, params: SamplingParams):
     try:
         ids = prompt_token_ids(record, engine.tokenizer)
-        return engine.make_sequence(record.key, params=params, prompt_token_ids=ids)
+        return engine.make_request(record.key, params=params, prompt_token_ids=ids)
     except RequestRejected as e:
         raise RequestRejected(f"{record.where} (id {record.id!r}): {e}") from None
 

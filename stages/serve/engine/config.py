@@ -15,6 +15,10 @@ class RequestRejected(ConfigError):
     """A request that can never be served as asked (too long, empty, bad token ids)."""
 
 
+class ContextLengthExceeded(RequestRejected):
+    """The prompt plus max_tokens (or plus one new token, without max_tokens) passes max_model_len."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16  # tokens per KV-cache block

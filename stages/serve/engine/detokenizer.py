@@ -85,11 +85,13 @@ class StopStrings:
 
 
 class OutputText:
-    """One request's output text: detokenizer plus stop strings."""
+    """One request's output text: detokenizer plus stop strings. `add` and `finish` return the text
+    they release; `take_delta` gives what was released since it was last called (one output's worth)."""
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self.stop = StopStrings(params.stop)
+        self.taken = 0  # characters of the released text already handed out by take_delta
 
     @property
     def text(self) -> str:
@@ -108,3 +110,8 @@ class OutputText:
         """The rest of the text once the request ends for another reason (EOS, length)."""
         delta = self.stop.feed(self.detokenizer.flush())
         return delta + self.stop.flush()
+
+    def take_delta(self) -> str:
+        delta = self.stop.text[self.taken:self.stop.emitted]
+        self.taken = self.stop.emitted
+        return delta

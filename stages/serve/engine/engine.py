@@ -1,5 +1,8 @@
 """LLMEngine: requests in, streamed outputs out; one `step()` = schedule -> run -> sample -> postprocess.
 
+A request is checked once, when it is made (`make_request`); `submit` queues it without a second
+look. The scheduler owns the request from then on and decides, token by token, when it ends.
+
 The engine is synchronous and single-threaded; `AsyncEngine` (async_engine.py) drives it from a
 thread of its own for asyncio servers. The runner is anything with `execute(StepInput) -> logits`
 and `num_blocks`, `block_size`, `max_model_len` (see `stages/serve/runner.py`).
@@ -8,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .config import EngineConfig, RequestRejected, SamplingParams
+from .config import EngineConfig, SamplingParams
 from .detokenizer import OutputText
 from .inputs import build_step_input
+from .request import Request, RequestChecker, prompt_ids
 from .sampling import Sampler, SamplerOutput, TokenLogprobs
-from .scheduler import ScheduledBatch, Scheduler
+from .scheduler import Scheduler
 from .sequence import Sequence
 
 
@@ -44,16 +48,12 @@ class EngineStats:
     prefix_cache_hits: int  # of which served from the cache
     num_preemptions: int
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
-
-
-class _Request:
-    __slots__ = ("seq", "text")
-
-    def __init__(self, seq: Sequence, text: OutputText):
-        self.seq, self.text = seq, text
+    num_queued_prompt_tokens: int = 0  # prompt tokens of unfinished requests without an output token yet
 
 
 class LLMEngine:
+    """Owns the scheduler (and through it every unfinished request), the runner and the sampler."""
+
     def __init__(self, runner, tokenizer, config: EngineConfig, eos_token_ids=None):
         if runner.block_size != config.block_size:
             raise ValueError(f"runner block size {runner.block_size} != engine block size {config.block_size}")
@@ -63,102 +63,68 @@ class LLMEngine:
         self.sampler = Sampler(self.config.seed)
         eos = [tokenizer.eos_token_id] if eos_token_ids is None else list(eos_token_ids)
         self.eos_token_ids = frozenset(t for t in eos if t is not None)
-        self.vocab_size = _vocab_size(runner, tokenizer)
-        self._requests: dict[str, _Request] = {}
+        self.checker = RequestChecker(self.config, _vocab_size(runner))
         prebuild = getattr(runner, "prebuild_matmuls", None)  # CPU: every matmul shape a step can produce
         if prebuild is not None:
             prebuild(self.config.max_num_batched_tokens, self.config.seqs_per_step)
 
     # --- requests -------------------------------------------------------------------------
-    def make_sequence(self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None,
-                      prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> Sequence:
-        """A checked Sequence for a request (RequestRejected says why it can never run)."""
-        if (prompt is None) == (prompt_token_ids is None):
-            raise RequestRejected("give either a prompt or prompt_token_ids")
-        ids = self.tokenizer.encode(prompt) if prompt is not None else [int(t) for t in prompt_token_ids]
-        if self.vocab_size and any(not 0 <= t < self.vocab_size for t in ids):
-            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})")
-        seq = Sequence(str(request_id), ids, params or SamplingParams(), self.eos_token_ids, arrival_time)
-        self.scheduler.check(seq)
-        return seq
+    def make_request(self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None,
+                     prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> Request:
+        """A checked Request (RequestRejected says why it can never run); `submit` queues it."""
+        ids = prompt_ids(self.tokenizer, prompt, prompt_token_ids)
+        return self.checker.request(request_id, ids, params, arrival_time)
 
-    def add_sequence(self, seq: Sequence) -> None:
-        if seq.request_id in self._requests:
-            raise RequestRejected(f"request id {seq.request_id!r} is already in use; give each request its own id")
-        self.scheduler.add(seq)
-        self._requests[seq.request_id] = _Request(seq, OutputText(self.tokenizer, seq.prompt_token_ids, seq.params))
+    def submit(self, request: Request) -> None:
+        """Queue a request made by `make_request` (it is not checked again)."""
+        ids = list(request.prompt_token_ids)
+        text = OutputText(self.tokenizer, ids, request.params)
+        self.scheduler.add(Sequence(request.request_id, ids, request.params, self.eos_token_ids,
+                                    request.arrival_time, text))
 
     def add_request(self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> None:
-        self.add_sequence(self.make_sequence(request_id, prompt, params, prompt_token_ids, arrival_time))
+        self.submit(self.make_request(request_id, prompt, params, prompt_token_ids, arrival_time))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now and free its blocks; its final output, or None if it is unknown or done."""
-        request = self._requests.pop(str(request_id), None)
-        if request is None:
-            return None
-        self.scheduler.finish(request.seq, "abort")
-        return self._output(request, [], "", None)
+        seq = self.scheduler.abort(str(request_id))
+        return None if seq is None else _output(seq, [], None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # --- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch; outputs for every request that got a new token (or was finished)."""
+        """Run one batch; outputs for every request that got a new token (finished or not)."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
         logits = self.runner.execute(build_step_input(batch, self.config.block_size))
-        return self._postprocess(batch, self._sample(logits, batch))
-
-    def _sample(self, logits, batch: ScheduledBatch) -> SamplerOutput:
         seqs = batch.sampled_seqs
-        return self.sampler(logits, seqs) if seqs else SamplerOutput([], [])
-
-    def _postprocess(self, batch: ScheduledBatch, sampled: SamplerOutput) -> list[RequestOutput]:
-        seqs = batch.sampled_seqs
+        sampled = self.sampler(logits, seqs) if seqs else SamplerOutput([], [])
         self.scheduler.postprocess(batch, sampled.token_ids)
-        return [self._advance(self._requests[seq.request_id], token, lp)
+        return [_output(seq, [token], [lp] if lp else None)
                 for seq, token, lp in zip(seqs, sampled.token_ids, sampled.logprobs)]
-
-    def _advance(self, request: _Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
-        seq, text = request.seq, request.text
-        ended_on_token = seq.is_finished and seq.finish_reason == "stop"
-        delta = "" if ended_on_token else text.add(token)  # the EOS / stop token is not part of the text
-        if text.stopped:
-            self.scheduler.finish(seq, "stop")
-        if seq.is_finished:
-            delta += text.finish()
-            del self._requests[seq.request_id]
-        return self._output(request, [token], delta, [logprobs] if logprobs else None)
-
-    def _output(self, request: _Request, tokens: list[int], delta: str, logprobs) -> RequestOutput:
-        seq = request.seq
-        return RequestOutput(
-            request_id=seq.request_id, token_ids=tokens, delta_text=delta, text=request.text.text,
-            finished=seq.is_finished, finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens, logprobs=logprobs, arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time, finish_time=seq.finish_time,
-            first_scheduled_time=seq.first_scheduled_time)
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.scheduler.block_manager
         return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting), num_blocks=bm.num_blocks,
                            num_free_blocks=bm.num_free_blocks, kv_cache_usage=bm.usage,
                            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
-                           num_preemptions=s.num_preemptions, finished=dict(s.finished_by_reason))
+                           num_preemptions=s.num_preemptions, finished=dict(s.finished_by_reason),
+                           num_queued_prompt_tokens=s.num_queued_prompt_tokens)
 
     def generate(self, prompts: list[str] | list[list[int]],
                  params: SamplingParams | None = None) -> list[RequestOutput]:
         """Run every prompt (text or token ids) to its end. One output per prompt, in order: the
         final one, with `token_ids` and `logprobs` holding all the request's output."""
-        seqs = [self.make_sequence(f"generate-{i}", *((p, params) if isinstance(p, str) else (None, params, p)))
-                for i, p in enumerate(prompts)]  # every prompt is checked before any runs
-        for seq in seqs:
-            self.add_sequence(seq)
-        tokens = {s.request_id: [] for s in seqs}
-        logprobs = {s.request_id: [] for s in seqs}
+        requests = [self.make_request(f"generate-{i}", *((p, params) if isinstance(p, str) else (None, params, p)))
+                    for i, p in enumerate(prompts)]  # every prompt is checked before any runs
+        for request in requests:
+            self.submit(request)
+        tokens = {r.request_id: [] for r in requests}
+        logprobs = {r.request_id: [] for r in requests}
         final = {}
         while self.has_unfinished():
             for out in self.step():
@@ -166,11 +132,22 @@ class LLMEngine:
                 logprobs[out.request_id] += out.logprobs or []
                 if out.finished:
                     final[out.request_id] = out
-        return [replace(final[s.request_id], token_ids=tokens[s.request_id],
-                        logprobs=logprobs[s.request_id] if s.params.logprobs is not None else None) for s in seqs]
+        return [replace(final[r.request_id], token_ids=tokens[r.request_id],
+                        logprobs=logprobs[r.request_id] if r.params.logprobs is not None else None) for r in requests]
 
 
-def _vocab_size(runner, tokenizer) -> int | None:
+def _output(seq: Sequence, tokens: list[int], logprobs) -> RequestOutput:
+    """`seq`'s output for this step: its new tokens and the text released since its last output."""
+    text = seq.output_text
+    return RequestOutput(
+        request_id=seq.request_id, token_ids=tokens, delta_text=text.take_delta(), text=text.text,
+        finished=seq.is_finished, finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
+        num_output_tokens=seq.num_output_tokens, logprobs=logprobs, arrival_time=seq.arrival_time,
+        first_token_time=seq.first_token_time, finish_time=seq.finish_time,
+        first_scheduled_time=seq.first_scheduled_time)
+
+
+def _vocab_size(runner) -> int | None:
     size = getattr(runner, "vocab_size", None)
     if size is None:
         spec = getattr(getattr(runner, "runtime", None), "spec", None)

@@ -5,6 +5,7 @@ each), then to prefills already under way, then to waiting requests in arrival o
 prompts are cut into chunks that fit what is left. So a long prompt never stalls the decodes.
 When a decode needs a block and none is free, the newest running sequence is preempted: its
 blocks are freed and it goes back to the front of the queue, to be recomputed later.
+Requests come checked (request.py); the scheduler owns every unfinished sequence until it ends.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from .block_manager import BlockManager
 from .config import EngineConfig, RequestRejected
 from .sequence import Sequence, SequenceStatus
+from .stopping import append_token
 
 
 @dataclass
@@ -46,35 +48,26 @@ class Scheduler:
             raise ValueError("Scheduler needs a resolved EngineConfig (num_blocks and max_model_len set)")
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Sequence] = {}  # every unfinished sequence, by request id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.num_preemptions = 0
         self.finished_by_reason: Counter[str] = Counter()
 
-    def check(self, seq: Sequence) -> None:
-        """Reject a request that could never run to its end, with the reason."""
-        cfg = self.config
-        if seq.num_prompt_tokens == 0:
-            raise RequestRejected("the prompt is empty; give at least one token")
-        if seq.num_prompt_tokens >= cfg.max_model_len:
-            raise RequestRejected(f"the prompt has {seq.num_prompt_tokens} tokens but max_model_len is "
-                                  f"{cfg.max_model_len} (prompt plus at least one new token); shorten the prompt")
-        max_tokens = seq.params.max_tokens
-        if max_tokens is not None and seq.num_prompt_tokens + max_tokens > cfg.max_model_len:
-            raise RequestRejected(f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
-                                  f"max_model_len {cfg.max_model_len}; shorten the prompt or lower max_tokens")
-        longest = cfg.max_model_len if max_tokens is None else seq.num_prompt_tokens + max_tokens
-        needed = self.block_manager.blocks_for(longest)
-        if needed > cfg.num_blocks:
-            raise RequestRejected(f"the request may grow to {longest} tokens ({needed} KV blocks) but the cache has "
-                                  f"{cfg.num_blocks} blocks; lower max_tokens or give the cache more memory")
-
     def add(self, seq: Sequence) -> None:
-        self.check(seq)
+        """Queue a checked sequence (see RequestChecker) at the back."""
+        if seq.request_id in self.requests:
+            raise RequestRejected(f"request id {seq.request_id!r} is already in use; give each request its own id")
+        self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.requests)
+
+    @property
+    def num_queued_prompt_tokens(self) -> int:
+        """Prompt tokens of the unfinished sequences that have no output token yet."""
+        return sum(s.num_prompt_tokens for s in self.requests.values() if not s.num_output_tokens)
 
     def schedule(self) -> ScheduledBatch:
         """The next step's batch (empty when there is nothing to run)."""
@@ -137,14 +130,13 @@ class Scheduler:
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> None:
         """Account for a finished step: `sampled` holds one new token per sequence in
-        `batch.sampled_seqs`, in that order. Sequences that end on a token are finished and freed."""
+        `batch.sampled_seqs`, in that order. Sequences that end with their token are finished and freed."""
         new_tokens = iter(sampled)
         for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
             if samples:
-                seq.append_token(next(new_tokens))
-                reason = seq.token_limit_reason(self.config.max_model_len)
+                reason = append_token(seq, next(new_tokens), self.config.max_model_len)
                 if reason:
                     self.finish(seq, reason)
 
@@ -157,8 +149,16 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        del self.requests[seq.request_id]
         seq.mark_finished(reason)
         self.finished_by_reason[reason] += 1
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """End a request now; its sequence, or None if it is unknown or already finished."""
+        seq = self.requests.get(request_id)
+        if seq is not None:
+            self.finish(seq, "abort")
+        return seq
 
     def fill_wait_s(self, now: float | None = None) -> float:
         """How long an idle engine should wait for more requests before it starts a batch: up to

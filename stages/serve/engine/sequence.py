@@ -1,4 +1,4 @@
-"""Sequence: one request's tokens and its place in the engine (status, KV blocks, progress)."""
+"""Sequence: one request's tokens, text and place in the engine (status, KV blocks, progress)."""
 from __future__ import annotations
 
 import time
@@ -22,7 +22,7 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None):
+                 eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None, output_text=None):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -40,6 +40,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.generator = None  # the request's own torch.Generator when params.seed is set (made by the sampler)
+        self.output_text = output_text  # its OutputText (detokenizer + stop strings); None: tokens only
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
@@ -73,16 +74,6 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = time.time()
         self.token_ids.append(token_id)
-
-    def token_limit_reason(self, max_model_len: int) -> str | None:
-        """'stop' or 'length' when the last token ends the sequence, else None (stop strings are
-        the detokenizer's business)."""
-        params, last = self.params, self.token_ids[-1]
-        if last in params.stop_token_ids or (last in self.eos_token_ids and not params.ignore_eos):
-            return "stop"
-        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
-            return "length"
-        return "length" if self.num_tokens >= max_model_len else None
 
     def mark_finished(self, reason: str) -> None:
         self.status = SequenceStatus.FINISHED

@@ -1,9 +1,10 @@
 """Generation: the engine sequences of one HTTP request (each prompt times n), as one stream.
 
-It checks every sequence before any is admitted (a too-long prompt is a 400 even on a busy
-server), takes a place in the queue (or a 503), merges the sequences' outputs, feeds the metrics,
-and on every way out — finished, client gone, timeout, error — aborts what is still running, so
-the engine frees those KV blocks at its next step.
+It has the engine check every sequence before any is admitted (a too-long prompt is a 400 even on
+a busy server), passes admission (or a 503), merges the sequences' outputs, feeds the metrics, and
+on every way out — finished, client gone, timeout, error — aborts what is still running, so the
+engine frees those KV blocks at its next step. The engine keeps every request's state; this keeps
+only the HTTP request's: its streams, metric traces, timer and disconnect watcher.
 """
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from ..engine.config import ContextLengthExceeded
 from ..engine.engine import RequestOutput
+from ..engine.request import Request
 from .errors import APIError
 from .metrics import SequenceTrace
-from .prompts import check_length
+from .prompts import context_length_error
 
 
 @dataclass
@@ -43,9 +46,8 @@ class Generation:
         self.jobs = [(f"{request_id}-{len(params) * p + i}", ids, sp)
                      for p, ids in enumerate(prompts) for i, sp in enumerate(params)]
         self.traces = [SequenceTrace(state.metrics) for _ in self.jobs]
-        self.finished: set[int] = set()
         self.timed_out = self.disconnected = False
-        self.ticket = self.timer = self.watcher = None
+        self.timer = self.watcher = None
         self.streams: list[AsyncIterator[RequestOutput]] = []
 
     def __len__(self) -> int:
@@ -53,13 +55,11 @@ class Generation:
 
     def start(self, request=None) -> Generation:
         """Check, admit and submit every sequence; watch `request` for a client disconnect."""
-        for ids in self.prompts:  # a 400 for any prompt before anything is queued
-            check_length(len(ids), self.params[0].max_tokens, self.state.max_model_len, self.prompt_param)
-            self.engine.engine.make_sequence(self.request_id, params=self.params[0], prompt_token_ids=ids)
-        self.ticket = self.state.admission.admit([len(ids) for _, ids, _ in self.jobs])
+        requests = [self._checked(*job) for job in self.jobs]  # a 400 for any of them before anything is queued
+        self.state.admission.admit([len(r.prompt_token_ids) for r in requests])
         try:
-            for seq_id, ids, params in self.jobs:
-                self.streams.append(self.engine.add_request(seq_id, params=params, prompt_token_ids=ids))
+            for checked in requests:
+                self.streams.append(self.engine.submit(checked))
         except BaseException:  # the engine died meanwhile: take back what was submitted
             self.close()
             raise
@@ -74,10 +74,8 @@ class Generation:
         """(sequence index, output) as they come; APIError 504 when the request timed out."""
         try:
             async for index, out in self._merged():
-                self.ticket.start(index)
                 self.traces[index].observe(out)
                 if out.finished:
-                    self.finished.add(index)
                     if out.finish_reason == "abort" and self.timed_out:
                         raise APIError(504, f"the request did not finish within {self.state.config.request_timeout_s}"
                                        " s (the server's --request-timeout)", code="request_timeout")
@@ -94,19 +92,24 @@ class Generation:
         return results
 
     def cancel(self) -> None:
-        """Abort every submitted sequence that has not finished (the engine frees its blocks next step)."""
-        for index, (seq_id, _, _) in enumerate(self.jobs[:len(self.streams)]):
-            if index not in self.finished:
-                self.engine.abort(seq_id)
+        """Abort every submitted sequence (the engine leaves finished ones be and frees the rest's
+        blocks at its next step)."""
+        for seq_id, _, _ in self.jobs[:len(self.streams)]:
+            self.engine.abort(seq_id)
 
     def close(self) -> None:
-        """End the request for good: abort leftovers, stop the timer and watcher, leave the queue."""
+        """End the request for good: abort leftovers, stop the timer and watcher."""
         for handle in (self.timer, self.watcher):
             if handle is not None:
                 handle.cancel()
         self.cancel()
-        if self.ticket is not None:
-            self.ticket.close()
+
+    def _checked(self, seq_id: str, ids: list[int], params) -> Request:
+        try:
+            return self.engine.make_request(seq_id, params=params, prompt_token_ids=ids)
+        except ContextLengthExceeded:
+            raise context_length_error(len(ids), params.max_tokens, self.state.max_model_len,
+                                       self.prompt_param) from None
 
     def _expire(self) -> None:
         self.timed_out = True

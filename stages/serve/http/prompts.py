@@ -2,7 +2,7 @@
 chat conversations through the tokenizer's chat template. Bad text is a 400, never a 500."""
 from __future__ import annotations
 
-from .errors import bad_request
+from .errors import APIError, bad_request
 
 
 def completion_prompts(prompt, tokenizer) -> list[list[int]]:
@@ -40,14 +40,14 @@ def _check_text(text: str, param: str) -> None:
         raise bad_request(f"{param} is not valid Unicode (it holds an unpaired surrogate)", param) from None
 
 
-def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str) -> None:
-    """400 naming both numbers when prompt + max_tokens cannot fit the model's length."""
-    if max_tokens is None and num_prompt_tokens >= max_model_len:
-        raise bad_request(f"the prompt has {num_prompt_tokens} tokens, but this model's maximum context length is "
-                          f"{max_model_len} (the prompt plus at least one new token); shorten the prompt",
-                          param, "context_length_exceeded")
-    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
-        raise bad_request(f"the prompt has {num_prompt_tokens} tokens and max_tokens asks for {max_tokens} more: "
-                          f"{num_prompt_tokens + max_tokens} in all, over this model's maximum context length of "
-                          f"{max_model_len}; shorten the prompt or lower max_tokens", "max_tokens",
-                          "context_length_exceeded")
+def context_length_error(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                         param: str) -> APIError:
+    """The 400 for a request the engine refused as too long (ContextLengthExceeded), naming the numbers."""
+    if max_tokens is None:
+        return bad_request(f"the prompt has {num_prompt_tokens} tokens, but this model's maximum context length is "
+                           f"{max_model_len} (the prompt plus at least one new token); shorten the prompt",
+                           param, "context_length_exceeded")
+    return bad_request(f"the prompt has {num_prompt_tokens} tokens and max_tokens asks for {max_tokens} more: "
+                       f"{num_prompt_tokens + max_tokens} in all, over this model's maximum context length of "
+                       f"{max_model_len}; shorten the prompt or lower max_tokens", "max_tokens",
+                       "context_length_exceeded")

@@ -1,7 +1,6 @@
 """ServerState: the engine (once loaded), the HTTP side's tokenizer, admission and metrics."""
 from __future__ import annotations
 
-import copy
 import logging
 
 from ..engine.async_engine import AsyncEngine
@@ -14,13 +13,13 @@ log = logging.getLogger("llmopt.serve")
 
 
 class ServerState:
+    """What the routes share: config, metrics, and once loaded the engine and its admission."""
+
     def __init__(self, config: ServerConfig):
         self.config = config
         self.metrics = ServerMetrics()
         self.engine: AsyncEngine | None = None
-        self.tokenizer = None
         self.admission: Admission | None = None
-        self.max_model_len: int | None = None
         self.load_error: BaseException | None = None
         self.draining = False
         self.fatal: BaseException | None = None  # a tensor-parallel rank died: the server is stopping
@@ -28,12 +27,18 @@ class ServerState:
 
     def attach(self, llm_engine) -> None:
         """Serve `llm_engine` (an LLMEngine): start its loop thread and open the API."""
-        # The engine thread detokenizes while requests are tokenized here: each side gets its own
-        # tokenizer, as the Rust tokenizer object refuses concurrent use from two threads.
-        self.tokenizer = copy.deepcopy(llm_engine.tokenizer)
-        self.max_model_len = llm_engine.config.max_model_len
-        self.admission = Admission(self.config, llm_engine.config.seqs_per_step)
-        self.engine = AsyncEngine(llm_engine)
+        engine = AsyncEngine(llm_engine)
+        self.admission = Admission(self.config, engine)
+        self.engine = engine
+
+    @property
+    def tokenizer(self):
+        """The event loop's tokenizer (the engine's loop thread has one of its own)."""
+        return self.engine.tokenizer if self.engine is not None else None
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.engine.config.max_model_len if self.engine is not None else None
 
     @property
     def healthy(self) -> bool:

@@ -1,12 +1,13 @@
 """LLMEngine and AsyncEngine end to end on a tiny random Llama through the real ModelRunner."""
 import asyncio
 import random
+import threading
 
 import pytest
 import torch
 
 from llmopt.stages.serve.engine.async_engine import AsyncEngine, EngineDeadError
-from llmopt.stages.serve.engine.config import EngineConfig, RequestRejected, SamplingParams
+from llmopt.stages.serve.engine.config import ContextLengthExceeded, EngineConfig, RequestRejected, SamplingParams
 from llmopt.stages.serve.engine.engine import LLMEngine
 from tests.helpers import write_hf_dir
 
@@ -163,7 +164,7 @@ def test_many_requests_with_aborts_leave_every_block_free(tiny):
         for out in eng.step():
             if out.finished:
                 finished[out.request_id] = out.finish_reason
-        live = [r for r in eng._requests]
+        live = list(eng.scheduler.requests)
         if live and rng.random() < 0.3:
             victim = rng.choice(live)
             assert eng.abort(victim).finish_reason == "abort"
@@ -252,6 +253,52 @@ def test_async_rejects_at_once(tiny):
     try:
         asyncio.run(main(eng))
         assert eng.is_healthy
+    finally:
+        eng.shutdown()
+
+
+def test_async_validate_checks_in_the_callers_thread(tiny):
+    async def main(eng):
+        with pytest.raises(ContextLengthExceeded, match="max_model_len 64"):
+            eng.validate([5] * 60, SamplingParams(max_tokens=10))
+        with pytest.raises(RequestRejected, match=r"\[0, 300\)"):
+            eng.make_request("bad", prompt_token_ids=[5, 300])
+        eng.validate([5] * 60, SamplingParams(max_tokens=4))
+        stream = eng.add_request("a", PROMPTS[0], SamplingParams(max_tokens=2))
+        with pytest.raises(RequestRejected, match="already in use"):
+            eng.add_request("a", PROMPTS[1])
+        return [out async for out in stream]
+
+    eng = AsyncEngine(engine(tiny, max_model_len=64))
+    try:
+        outs = asyncio.run(main(eng))
+        assert outs[-1].finished and eng.stats().finished == {outs[-1].finish_reason: 1}
+    finally:
+        eng.shutdown()
+
+
+def test_async_load_counts_what_was_handed_over_until_it_finishes(tiny):
+    inner, gate = engine(tiny), threading.Event()
+    execute = inner.runner.execute
+    inner.runner.execute = lambda step: gate.wait(30) and execute(step)  # the loop holds in its first step
+
+    async def main(eng):
+        streams = [eng.add_request(rid, prompt_token_ids=[5] * n, params=SamplingParams(max_tokens=2))
+                   for rid, n in (("a", 7), ("b", 9))]
+        loaded = eng.load()  # handed over or queued in the engine: both count
+        gate.set()
+        for stream in streams:
+            async for _ in stream:
+                pass
+        eng.abort("a")  # finished: left be, not counted as an abort
+        async for _ in eng.add_request("c", prompt_token_ids=[5] * 3, params=SamplingParams(max_tokens=1)):
+            pass
+        return loaded, eng.load()
+
+    eng = AsyncEngine(inner)
+    try:
+        assert asyncio.run(main(eng)) == ((2, 16), (0, 0))
+        assert "abort" not in eng.stats().finished
     finally:
         eng.shutdown()
 

@@ -1,4 +1,4 @@
-"""Scheduler as pure bookkeeping (no model): budgets, chunked prefill, preemption, aborts, rejection."""
+"""Scheduler as pure bookkeeping (no model): budgets, chunked prefill, preemption, aborts, finishing."""
 import pytest
 
 from llmopt.stages.errors import ConfigError
@@ -111,22 +111,25 @@ def test_abort_frees_every_block():
     assert s.finished_by_reason["abort"] == 4 and all(q.finish_reason == "abort" for q in seqs)
 
 
-@pytest.mark.parametrize("n_prompt, max_tokens, message", [
-    (0, 4, "empty"),
-    (128, 4, "max_model_len"),
-    (120, 10, "shorten the prompt or lower max_tokens"),
-])
-def test_requests_that_can_never_run_are_rejected(n_prompt, max_tokens, message):
-    s = make(max_len=128)
-    with pytest.raises(RequestRejected, match=message):
-        s.add(seq("x", n_prompt, max_tokens=max_tokens))
-    assert not s.has_unfinished()
+def test_a_request_id_in_use_is_rejected_and_not_queued_twice():
+    s = make()
+    s.add(seq("a", 3))
+    with pytest.raises(RequestRejected, match="already in use"):
+        s.add(seq("a", 5))
+    assert len(s.waiting) == 1 and s.waiting[0].num_prompt_tokens == 3
 
 
-def test_request_larger_than_the_cache_is_rejected():
-    s = make(num_blocks=4, block_size=4, max_len=128)
-    with pytest.raises(RequestRejected, match="cache has 4 blocks"):
-        s.add(seq("x", 10, max_tokens=10))
+def test_abort_by_id_and_the_queued_prompt_tokens():
+    s = make(budget=8)
+    first, second = seq("a", 6, max_tokens=10), seq("b", 20, max_tokens=10)
+    s.add(first)
+    s.add(second)
+    assert s.num_queued_prompt_tokens == 26
+    step(s)  # a's whole prompt and 2 tokens of b's: a has its first token, b is still in prefill
+    assert s.num_queued_prompt_tokens == 20
+    assert s.abort("b") is second and second.finish_reason == "abort"
+    assert s.abort("b") is None and s.abort("nobody") is None
+    assert s.num_queued_prompt_tokens == 0 and list(s.requests) == ["a"]
 
 
 def test_prefix_hits_skip_prefill_work():

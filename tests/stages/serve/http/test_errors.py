@@ -78,6 +78,27 @@ def test_prompt_plus_max_tokens_over_the_model_length_names_both_numbers(http):
     assert "128" in err["message"] and err["param"] == "messages"
 
 
+def test_the_context_length_messages_are_word_for_word(http):
+    err = error_of(http.post("/v1/completions", json={"prompt": [5] * 100, "max_tokens": 40}), 400)
+    assert err["message"] == ("the prompt has 100 tokens and max_tokens asks for 40 more: 140 in all, over this "
+                              "model's maximum context length of 128; shorten the prompt or lower max_tokens")
+    err = error_of(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "dog " * 200}]}),
+                   400)
+    assert err["message"].startswith("the prompt has ") and err["message"].endswith(
+        " tokens, but this model's maximum context length is 128 (the prompt plus at least one new token); "
+        "shorten the prompt") and err["code"] == "context_length_exceeded"
+
+
+def test_one_bad_prompt_of_several_queues_none_of_them(server, http):
+    before = sum(server.state.engine.stats().finished.values())
+    body = {"prompt": [[5] * 10, [5] * 10, [5] * 200], "max_tokens": 2, "n": 2}
+    err = error_of(http.post("/v1/completions", json=body), 400)
+    assert err["code"] == "context_length_exceeded" and "200 tokens" in err["message"]
+    assert http.post("/v1/completions", json=OK).status_code == 200
+    assert sum(server.state.engine.stats().finished.values()) == before + 1  # only the good request ran
+    assert server.state.engine.load() == (0, 0)
+
+
 def test_prompt_token_ids_outside_the_vocabulary(http):
     err = error_of(http.post("/v1/completions", json={"prompt": [5, 10_000], "max_tokens": 2}), 400)
     assert "300" in err["message"]
