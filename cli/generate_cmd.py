@@ -7,6 +7,9 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from llmopt.stages.serve.config import DEFAULTS, ServeConfig
+from llmopt.stages.serve import generate as gen
+
 from .options import DType, DTypeOpt, Json, Source
 from .ui import err, note, out, print_json, progress_bar
 
@@ -19,45 +22,48 @@ Chat = Annotated[bool, typer.Option("--chat", help="--prompt: wrap it as a user 
 Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")]
 KvMemory = Annotated[Optional[str], typer.Option(
     "--kv-cache-memory", help="KV cache: bytes (4GiB) or a fraction of free memory (0.5).")]
+Seed = Annotated[Optional[int], typer.Option("--seed", help="Per-request seed (reproducible sampling).")]
+P = gen.DEFAULT_PARAMS  # the sampling defaults below are read from it, the engine's from ServeConfig
 
 
 def run(source: Source, prompt: Prompt = None, input: Input = None, output: OutputFile = None, chat: Chat = False,
-        max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 128,
-        temperature: Annotated[float, typer.Option("--temperature", help="0: greedy.")] = 0.0,
-        top_k: Annotated[int, typer.Option("--top-k", help="0: off.")] = 0,
-        top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
-        min_p: Annotated[float, typer.Option("--min-p")] = 0.0,
-        seed: Annotated[Optional[int], typer.Option("--seed", help="Per-request seed (reproducible sampling).")] = None,
-        presence_penalty: Annotated[float, typer.Option("--presence-penalty")] = 0.0,
-        frequency_penalty: Annotated[float, typer.Option("--frequency-penalty")] = 0.0,
-        repetition_penalty: Annotated[float, typer.Option("--repetition-penalty")] = 1.0,
-        stop: Stop = None, ignore_eos: Annotated[bool, typer.Option("--ignore-eos")] = False,
-        max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1)] = 64,
-        max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", min=1)] = 2048,
-        max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", min=1)] = None,
-        kv_cache_memory: KvMemory = None,
-        device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = "cpu",
-        dtype: DTypeOpt = DType.auto, json: Json = False) -> None:
+        max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = P.max_tokens,
+        temperature: Annotated[float, typer.Option("--temperature", help="0: greedy.")] = P.temperature,
+        top_k: Annotated[int, typer.Option("--top-k", help="0: off.")] = P.top_k,
+        top_p: Annotated[float, typer.Option("--top-p")] = P.top_p,
+        min_p: Annotated[float, typer.Option("--min-p")] = P.min_p,
+        seed: Seed = P.seed,
+        presence_penalty: Annotated[float, typer.Option("--presence-penalty")] = P.presence_penalty,
+        frequency_penalty: Annotated[float, typer.Option("--frequency-penalty")] = P.frequency_penalty,
+        repetition_penalty: Annotated[float, typer.Option("--repetition-penalty")] = P.repetition_penalty,
+        stop: Stop = None, ignore_eos: Annotated[bool, typer.Option("--ignore-eos")] = P.ignore_eos,
+        max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1)] = DEFAULTS.engine.max_num_seqs,
+        max_num_batched_tokens: Annotated[int, typer.Option(
+            "--max-num-batched-tokens", min=1)] = DEFAULTS.engine.max_num_batched_tokens,
+        max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", min=1)] = DEFAULTS.engine.max_model_len,
+        kv_cache_memory: KvMemory = DEFAULTS.engine.kv_cache_memory,
+        device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = DEFAULTS.device,
+        dtype: DTypeOpt = DType(DEFAULTS.dtype), json: Json = False) -> None:
     from llmopt.stages.errors import ConfigError
-    from llmopt.stages.serve import generate as gen
-    from llmopt.stages.serve.engine.config import EngineConfig, SamplingParams
+    from llmopt.stages.serve.engine.config import SamplingParams
 
     if (prompt is None) == (input is None) or (input is None) != (output is None):
         raise ConfigError("give either --prompt TEXT, or --input FILE.jsonl with --output FILE.jsonl")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                             repetition_penalty=repetition_penalty, stop=tuple(stop or ()), ignore_eos=ignore_eos)
-    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          max_model_len=max_model_len, kv_cache_memory=kv_cache_memory)
+    config = ServeConfig.from_options(dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                           max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                                           device=device, dtype=dtype))
     if prompt is not None:
         record = gen.PromptRecord("prompt", messages=[{"role": "user", "content": prompt}], where="--prompt") if chat \
             else gen.PromptRecord("prompt", prompt, where="--prompt")
-        return _one(_load(source, config, device, dtype), record, params)
+        return _one(_load(source, config), record, params)
     records = gen.read_prompts(input)  # bad input fails before the slow load
     if not {r.key for r in records} - gen.completed_ids(output):
         note(f"nothing to do: every id of {input} is already in {output}")
         return
-    job = gen.GenerateJob(_load(source, config, device, dtype), records, output, params)
+    job = gen.GenerateJob(_load(source, config), records, output, params)
     with progress_bar(f"generate {input.name}") as update:
         report = job.run(on_progress=update)
     if json:
@@ -66,19 +72,17 @@ def run(source: Source, prompt: Prompt = None, input: Input = None, output: Outp
         render(report, output)
 
 
-def _load(source: str, config, device: str, dtype: DType):
+def _load(source: str, config: ServeConfig):
     from llmopt.stages.model_io import parse_dtype
     from llmopt.stages.serve.engine.build import build_engine
 
     with err.status(f"loading {source}"):
-        return build_engine(source, config, device, parse_dtype(dtype.value))
+        return build_engine(source, config.engine, config.device, parse_dtype(config.dtype))
 
 
 def _one(engine, record, params) -> None:
-    from llmopt.stages.serve.generate import generate_text, prompt_token_ids
-
-    final = generate_text(engine, prompt_token_ids(record, engine.tokenizer), params,
-                          on_delta=lambda d: print(d, end="", flush=True))
+    final = gen.generate_text(engine, gen.prompt_token_ids(record, engine.tokenizer), params,
+                              on_delta=lambda d: print(d, end="", flush=True))
     print()
     note(f"{final.finish_reason}: {final.num_prompt_tokens} prompt tokens, {final.num_output_tokens} generated")
 

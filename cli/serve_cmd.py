@@ -5,57 +5,57 @@ from typing import Annotated, Optional
 
 import typer
 
+from llmopt.stages.serve.config import DEFAULTS, ServeConfig
+
 from .options import DType, DTypeOpt, MasterAddr, MasterPort, NNodes, NodeRank, Source
 
 Opt = typer.Option
+E, S = DEFAULTS.engine, DEFAULTS.server  # every default below is read from ServeConfig
 
 
 def run(source: Source,
-        host: Annotated[str, Opt("--host", help="Address to bind (loopback unless you open it).")] = "127.0.0.1",
-        port: Annotated[int, Opt("--port", min=0, max=65535)] = 8000,
-        api_key: Annotated[Optional[str], Opt("--api-key", envvar="LLMOPT_API_KEY",
-                                              help="Require 'Authorization: Bearer KEY' (all but /health).")] = None,
+        host: Annotated[str, Opt("--host", help="Address to bind (loopback unless you open it).")] = S.host,
+        port: Annotated[int, Opt("--port", min=0, max=65535)] = S.port,
+        api_key: Annotated[Optional[str], Opt("--api-key", envvar="LLMOPT_API_KEY", help="Require "
+                                              "'Authorization: Bearer KEY' (all but /health).")] = S.api_key,
         served_model_name: Annotated[Optional[str], Opt("--served-model-name", help="Default: SOURCE.")] = None,
-        metrics_public: Annotated[bool, Opt("--metrics-public", help="/metrics without the API key.")] = False,
-        max_queued_requests: Annotated[int, Opt("--max-queued-requests", min=0, help="Waiting sequences beyond "
-                                                "the running batch; more get 503 + Retry-After.")] = 256,
+        metrics_public: Annotated[bool, Opt("--metrics-public",
+                                            help="/metrics without the API key.")] = S.metrics_public,
+        max_queued_requests: Annotated[int, Opt("--max-queued-requests", min=0, help="Waiting sequences beyond the "
+                                                "running batch; more get 503 + Retry-After.")] = S.max_queued_requests,
         max_queued_tokens: Annotated[int, Opt("--max-queued-tokens", min=1, help="Prompt tokens not yet "
-                                              "prefilled; more get 503 + Retry-After.")] = 262_144,
-        max_body_bytes: Annotated[int, Opt("--max-body-bytes", min=1)] = 4 * 1024 * 1024,
+                                              "prefilled; more get 503 + Retry-After.")] = S.max_queued_tokens,
+        max_body_bytes: Annotated[int, Opt("--max-body-bytes", min=1)] = S.max_body_bytes,
         request_timeout: Annotated[Optional[float], Opt("--request-timeout", help="Seconds; abort a request "
-                                                        "still running (504).")] = None,
+                                                        "still running (504).")] = S.request_timeout_s,
         drain_timeout: Annotated[float, Opt("--drain-timeout", help="Seconds in-flight requests may finish "
-                                            "after SIGTERM/SIGINT.")] = 30.0,
-        log_json: Annotated[bool, Opt("--log-json", help="Access log as JSON lines.")] = False,
-        block_size: Annotated[int, Opt("--block-size", min=1)] = 16,
+                                            "after SIGTERM/SIGINT.")] = S.drain_timeout_s,
+        log_json: Annotated[bool, Opt("--log-json", help="Access log as JSON lines.")] = S.log_json,
+        block_size: Annotated[int, Opt("--block-size", min=1)] = E.block_size,
         kv_cache_memory: Annotated[Optional[str], Opt("--kv-cache-memory", help="Bytes (4GiB) or a fraction "
-                                                      "of free memory (0.5).")] = None,
-        max_num_seqs: Annotated[int, Opt("--max-num-seqs", min=1)] = 64,
-        max_num_batched_tokens: Annotated[int, Opt("--max-num-batched-tokens", min=1)] = 2048,
-        max_model_len: Annotated[Optional[int], Opt("--max-model-len", min=1)] = None,
-        max_batch_size: Annotated[Optional[int], Opt("--max-batch-size", min=1)] = None,
-        max_wait_ms: Annotated[float, Opt("--max-wait-ms", min=0.0)] = 0.0,
-        device: Annotated[str, Opt("--device", help="cpu | cuda")] = "cpu",
-        dtype: DTypeOpt = DType.auto, nnodes: NNodes = 1, node_rank: NodeRank = 0,
-        master_addr: MasterAddr = "127.0.0.1", master_port: MasterPort = None) -> None:
+                                                      "of free memory (0.5).")] = E.kv_cache_memory,
+        max_num_seqs: Annotated[int, Opt("--max-num-seqs", min=1)] = E.max_num_seqs,
+        max_num_batched_tokens: Annotated[int, Opt("--max-num-batched-tokens", min=1)] = E.max_num_batched_tokens,
+        max_model_len: Annotated[Optional[int], Opt("--max-model-len", min=1)] = E.max_model_len,
+        max_batch_size: Annotated[Optional[int], Opt("--max-batch-size", min=1)] = E.max_batch_size,
+        max_wait_ms: Annotated[float, Opt("--max-wait-ms", min=0.0)] = E.max_wait_ms,
+        device: Annotated[str, Opt("--device", help="cpu | cuda")] = DEFAULTS.device,
+        dtype: DTypeOpt = DType(DEFAULTS.dtype), nnodes: NNodes = DEFAULTS.nnodes,
+        node_rank: NodeRank = DEFAULTS.node_rank, master_addr: MasterAddr = DEFAULTS.master_addr,
+        master_port: MasterPort = DEFAULTS.master_port) -> None:
+    options = dict(locals())  # every parameter, named as ServeConfig.from_options expects
+    del options["source"]
     from llmopt.stages.model_io import parse_dtype
     from llmopt.stages.serve.engine.build import build_engine
-    from llmopt.stages.serve.engine.config import EngineConfig
-    from llmopt.stages.serve.http.config import ServerConfig
     from llmopt.stages.serve.http.server import serve
     from llmopt.stages.serve.tp.launch import TPOptions, run_worker_node
     from llmopt.stages.source import resolve
 
+    config = ServeConfig.from_options(options | {"served_model_name": served_model_name or source})
     resolve(source)  # a wrong path or alias fails now, before the port is bound
-    tp = TPOptions(nnodes, node_rank, master_addr, master_port)
-    if node_rank > 0:  # this machine only runs its ranks of a sharded artifact; node 0 serves
-        raise typer.Exit(run_worker_node(source, tp, device, parse_dtype(dtype.value)))
-    engine_config = EngineConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                 max_batch_size=max_batch_size, max_wait_ms=max_wait_ms)
-    config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name or source,
-                          metrics_public=metrics_public, max_queued_requests=max_queued_requests,
-                          max_queued_tokens=max_queued_tokens, max_body_bytes=max_body_bytes,
-                          request_timeout_s=request_timeout, drain_timeout_s=drain_timeout, log_json=log_json)
-    torch_dtype = parse_dtype(dtype.value)
-    serve(config, lambda: build_engine(source, engine_config, device, torch_dtype, tp_options=tp))
+    tp = TPOptions(config.nnodes, config.node_rank, config.master_addr, config.master_port)
+    torch_dtype = parse_dtype(config.dtype)
+    if config.node_rank > 0:  # this machine only runs its ranks of a sharded artifact; node 0 serves
+        raise typer.Exit(run_worker_node(source, tp, config.device, torch_dtype))
+    serve(config.server, lambda: build_engine(source, config.engine, config.device, torch_dtype, tp_options=tp))
+

@@ -15,6 +15,10 @@ from typing import Callable
 from ..errors import DataError
 from .engine.config import RequestRejected, SamplingParams
 
+# `llmopt generate`'s sampling when no option is given: greedy, with room for a paragraph (the
+# engine's own SamplingParams() keeps OpenAI's defaults, which the HTTP API follows).
+DEFAULT_PARAMS = SamplingParams(max_tokens=128, temperature=0.0)
+
 
 @dataclass(frozen=True)
 class PromptRecord:

@@ -21,10 +21,11 @@ class ContextLengthExceeded(RequestRejected):
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """How the engine batches and caches; the defaults here are `llmopt serve`'s (see serve/config.py)."""
     block_size: int = 16  # tokens per KV-cache block
     num_blocks: int | None = None  # KV-cache blocks; None: derived from kv_cache_memory by the loader
     kv_cache_memory: str | float | None = None  # bytes ("4GiB", 1e9) or a fraction of free memory ("0.5")
-    max_num_seqs: int = 256  # sequences in the running batch
+    max_num_seqs: int = 64  # sequences in the running batch
     max_num_batched_tokens: int = 2048  # new tokens per step (decodes + prefill chunks)
     max_model_len: int | None = None  # prompt + output tokens; None: the model's context length
     max_batch_size: int | None = None  # the seed's dynamic-batching cap (a further limit on max_num_seqs)
@@ -67,6 +68,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request samples; the defaults are OpenAI's, as the HTTP API answers."""
     max_tokens: int | None = 16  # None: until max_model_len
     temperature: float = 1.0  # 0: greedy
     top_k: int = 0  # 0: off
