@@ -22,6 +22,7 @@ from .sequence import Sequence
 
 @dataclass
 class RequestOutput:
+    """What one step did for one request (the last one has `finished` set)."""
     request_id: str
     token_ids: list[int]  # new this step
     delta_text: str  # new this step
@@ -39,6 +40,7 @@ class RequestOutput:
 
 @dataclass
 class EngineStats:
+    """The engine's counts at one moment (the metrics and the server's admission read them)."""
     num_running: int
     num_waiting: int
     num_blocks: int

@@ -39,9 +39,11 @@ class ChoiceResult:
 
 
 class Generation:
+    """One HTTP request's sequences: every prompt with each of `params` (one per choice)."""
+
     def __init__(self, state, request_id: str, prompts: list[list[int]], params: list, prompt_param: str = "prompt"):
         self.state, self.engine = state, state.ready_engine()
-        self.request_id, self.prompts, self.params = request_id, prompts, params
+        self.request_id = request_id
         self.prompt_param = prompt_param  # the body field the prompts came from, for error messages
         self.jobs = [(f"{request_id}-{len(params) * p + i}", ids, sp)
                      for p, ids in enumerate(prompts) for i, sp in enumerate(params)]
@@ -55,7 +57,7 @@ class Generation:
 
     def start(self, request=None) -> Generation:
         """Check, admit and submit every sequence; watch `request` for a client disconnect."""
-        requests = [self._checked(*job) for job in self.jobs]  # a 400 for any of them before anything is queued
+        requests = [self._checked(*job) for job in self.jobs]  # a 400 for any before anything is queued
         self.state.admission.admit([len(r.prompt_token_ids) for r in requests])
         try:
             for checked in requests:
