@@ -258,6 +258,10 @@ def test_async_rejects_at_once(tiny):
 
 
 def test_async_validate_checks_in_the_callers_thread(tiny):
+    inner, gate = engine(tiny, max_model_len=64), threading.Event()
+    execute = inner.runner.execute
+    inner.runner.execute = lambda step: gate.wait(30) and execute(step)  # "a" cannot finish before the gate
+
     async def main(eng):
         with pytest.raises(ContextLengthExceeded, match="max_model_len 64"):
             eng.validate([5] * 60, SamplingParams(max_tokens=10))
@@ -267,13 +271,15 @@ def test_async_validate_checks_in_the_callers_thread(tiny):
         stream = eng.add_request("a", PROMPTS[0], SamplingParams(max_tokens=2))
         with pytest.raises(RequestRejected, match="already in use"):
             eng.add_request("a", PROMPTS[1])
+        gate.set()
         return [out async for out in stream]
 
-    eng = AsyncEngine(engine(tiny, max_model_len=64))
+    eng = AsyncEngine(inner)
     try:
         outs = asyncio.run(main(eng))
         assert outs[-1].finished and eng.stats().finished == {outs[-1].finish_reason: 1}
     finally:
+        gate.set()
         eng.shutdown()
 
 
@@ -300,6 +306,7 @@ def test_async_load_counts_what_was_handed_over_until_it_finishes(tiny):
         assert asyncio.run(main(eng)) == ((2, 16), (0, 0))
         assert "abort" not in eng.stats().finished
     finally:
+        gate.set()
         eng.shutdown()
 
 
