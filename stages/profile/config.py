@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import Mapping
 
 from ..errors import ConfigError
+from ..options import Option, Options
 
 DEVICES = ("cpu", "cuda")
 # --quick: about a minute for two sources on a 2-core CPU (the full sweep takes several).
@@ -31,6 +33,21 @@ class ProfileConfig:
     plan_context: int = 2048  # planner: tokens each sequence may hold (prompt + output)
     target_tpot_ms: float | None = None  # planner: latency target for the --max-num-seqs advice
     top_ops: int = 12
+
+    @classmethod
+    def options(cls) -> Options:
+        """The options `llmopt profile` and a recipe's profile stage take."""
+        return OPTIONS
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object]) -> "ProfileConfig":
+        """The validated config for these options: the full sweep, or --quick's, with what was given on top."""
+        o = OPTIONS.complete(options)
+        given = {k: parse_int_list(o[k], f"--{k.replace('_', '-')}") if k in INT_LISTS else o[k]
+                 for k in OPTIONS if k != "quick"}
+        config = cls.quick(**given) if o["quick"] else cls().with_options(**given)
+        config.validate()
+        return config
 
     @classmethod
     def quick(cls, **overrides) -> "ProfileConfig":
@@ -95,3 +112,15 @@ def parse_int_list(text: str | None, option: str) -> tuple[int, ...] | None:
     if not values or min(values) < 1:
         raise ConfigError(f"{option} {text!r}: give positive whole numbers separated by commas, e.g. 1,4,16")
     return values
+
+
+DEFAULTS = ProfileConfig()
+INT_LISTS = ("prompt_lens", "batch_sizes", "context_lens")  # given as text: 128,512,2048
+# None: not given, so the full sweep's value (the config's default) or --quick's applies.
+OPTIONS = Options(
+    Option("quick", bool, False), *(Option(name, str, None, optional=True) for name in INT_LISTS),
+    *(Option(name, int, None, optional=True) for name in ("decode_context", "decode_steps", "repeats")),
+    Option("device", str, DEFAULTS.device), Option("dtype", str, None, optional=True),
+    Option("threads", int, None, optional=True), Option("memory_budget", str, None, optional=True),
+    Option("plan_context", int, None, optional=True), Option("target_tpot_ms", float, None, optional=True),
+)

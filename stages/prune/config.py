@@ -1,10 +1,12 @@
-"""PruneConfig: the typed, validated options of `llmopt prune`."""
+"""PruneConfig: the typed, validated options of `llmopt prune`, with their defaults (the only ones)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Mapping
 
 from ..calib import CalibConfig
 from ..errors import ConfigError
+from ..options import Option, Options, dtype_option
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
 STRUCTURED = ("mlp", "layers")
@@ -36,8 +38,24 @@ class PruneConfig:
     calib: CalibConfig = field(default_factory=CalibConfig)
     damp: float = 0.01
     device: str = "cpu"
+    dtype: str = "auto"  # the weights' dtype while pruning (auto keeps the source's)
     batch_size: int = 8
     eval_windows: int = 4
+
+    @classmethod
+    def options(cls) -> Options:
+        """The options `llmopt prune` and a recipe's prune stage take."""
+        return OPTIONS
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object]) -> "PruneConfig":
+        """The validated config for these options (names as the command's parameters; defaults for the rest)."""
+        o = OPTIONS.complete(options)
+        config = cls(method=o["method"], sparsity=o["sparsity"], pattern=o["pattern"], structured=o["structured"],
+                     ratio=o["ratio"], drop=o["drop"], ignore=tuple(o["ignore"] or ()), calib=CalibConfig.from_options(o),
+                     damp=o["damp"], device=o["device"], dtype=o["dtype"], eval_windows=o["eval_windows"])
+        config.validate()
+        return config
 
     def validate(self) -> None:
         if self.structured is None:
@@ -99,7 +117,9 @@ class PruneConfig:
         return self.method_name != "magnitude"
 
     def to_dict(self) -> dict:
+        """The manifest's record: what was done (the dtype is left out: the manifest's model.dtype says it)."""
         data = asdict(self)
+        data.pop("dtype")
         data["ignore"] = list(self.ignore)
         data["method"] = self.method_name
         if self.structured is None:  # record what was done, not which options were left out
@@ -110,3 +130,13 @@ class PruneConfig:
         if not self.needs_calibration:
             data.pop("calib")
         return data
+
+
+DEFAULTS = PruneConfig()
+OPTIONS = Options(
+    Option("method", str, DEFAULTS.method, optional=True), Option("sparsity", float, DEFAULTS.sparsity, optional=True),
+    Option("pattern", str, DEFAULTS.pattern), Option("structured", str, DEFAULTS.structured, optional=True),
+    Option("ratio", float, DEFAULTS.ratio, optional=True), Option("drop", int, DEFAULTS.drop, optional=True),
+    Option("ignore", list, None, optional=True), *CalibConfig.options(), Option("damp", float, DEFAULTS.damp),
+    Option("device", str, DEFAULTS.device), dtype_option(DEFAULTS.dtype), Option("eval_windows", int, DEFAULTS.eval_windows),
+)
