@@ -36,8 +36,8 @@ class CalibConfig:
                 Option("seed", int, d.seed))
 
     @classmethod
-    def from_options(cls, values: Mapping[str, object]) -> "CalibConfig":
-        """The config for a stage's completed option values (the other options are ignored)."""
+    def from_values(cls, values: Mapping[str, object]) -> "CalibConfig":
+        """The config from a stage's option values (its calibration options among them)."""
         return cls(values["calib"], values["nsamples"], values["seqlen"], values["seed"])
 
     def validate(self) -> None:

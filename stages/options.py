@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Iterator, Mapping
+from typing import ClassVar, Iterator, Mapping
 
 from .errors import ConfigError
 
@@ -53,6 +53,7 @@ class Option:
 
     @property
     def required(self) -> bool:
+        """Whether the stage cannot do without it (it has no default)."""
         return self.default is REQUIRED
 
     def check(self, value):
@@ -111,6 +112,7 @@ class Options:
         return len(self._options)
 
     def values(self) -> list[Option]:
+        """The options, in the command's order."""
         return list(self._options.values())
 
     def complete(self, given: Mapping[str, object]) -> dict:
@@ -124,6 +126,25 @@ class Options:
         if missing:
             raise ConfigError(f"{', '.join(missing)} is required")
         return values
+
+
+class FromOptions:
+    """What makes a stage's config buildable from its options: the config class sets `OPTIONS` (once its
+    defaults exist) and turns the completed values into itself (`from_values`); it has `validate()`."""
+
+    OPTIONS: ClassVar[Options]
+
+    @classmethod
+    def options(cls) -> Options:
+        """The options the stage's command and a recipe's stage of this kind take."""
+        return cls.OPTIONS
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object]):
+        """The validated config for these options (names as the command's parameters; defaults for the rest)."""
+        config = cls.from_values(cls.OPTIONS.complete(options))
+        config.validate()
+        return config
 
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")  # --dtype: auto keeps the checkpoint's

@@ -37,6 +37,7 @@ class Stage:
 
     @property
     def options(self) -> Options:
+        """What a recipe stage of this kind takes (its config's options)."""
         return self.config.options()
 
     def build(self, options: Mapping[str, object]):
@@ -45,6 +46,7 @@ class Stage:
 
     @property
     def run(self) -> Callable:
+        """The stage's entry point (see the class docstring for each kind's call)."""
         return _entry_point(self.kind)
 
 

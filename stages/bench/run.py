@@ -50,6 +50,7 @@ class BenchOutcome:
 
     @property
     def passed(self) -> bool:
+        """Whether the run passes as a gate (no failures)."""
         return not self.failures
 
 

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field, replace
-from typing import Mapping
 
-from ..options import Option, Options
+from ..options import FromOptions, Option, Options
 from .config import BenchConfig, normalize_url, parse_rate, parse_slo
 from .dataset import DatasetConfig
 from .server import ServerSpec
 
 
 @dataclass(frozen=True)
-class BenchStageConfig:
+class BenchStageConfig(FromOptions):
     """One bench stage: the load (its URL set per server), the prompts, the --fail-on bounds, and the
     server to start on each source (its source set per run)."""
 
@@ -25,17 +24,11 @@ class BenchStageConfig:
     server: ServerSpec = field(default_factory=lambda: ServerSpec(source=""))
 
     @classmethod
-    def options(cls) -> Options:
-        """The options a recipe's bench stage takes: `llmopt bench`'s but the server's address, model
+    def from_values(cls, o: dict) -> "BenchStageConfig":
+        """The config for every option's value: `llmopt bench`'s options but the server's address, model
         and key, and the output files."""
-        return OPTIONS
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object]) -> "BenchStageConfig":
-        """The validated config for these options (defaults for the rest)."""
         from .gate import parse_fail_on  # here: the gate reads the metrics, which pull in the HTTP client
 
-        o = OPTIONS.complete(options)
         bounds = tuple(parse_fail_on(o["fail_on"]))
         load = BenchConfig(endpoint=o["endpoint"], request_rate=parse_rate(o["request_rate"]),
                            burstiness=o["burstiness"], max_concurrency=o["max_concurrency"], warmup=o["warmup"],
@@ -44,11 +37,10 @@ class BenchStageConfig:
         data = DatasetConfig(o["dataset"], o["num_prompts"], o["input_len"], o["output_len"], o["seed"], o["tokenizer"])
         server = ServerSpec("", o["engine"], tuple(a for s in o["serve_args"] or () for a in shlex.split(s)),
                             startup_timeout_s=o["server_timeout"])
-        config = cls(load, data, bounds, server)
-        config.validate()
-        return config
+        return cls(load, data, bounds, server)
 
     def validate(self) -> None:
+        """Each part's own checks (ConfigError names the option)."""
         self.load.validate()
         self.dataset.validate()
         self.server.validate()
@@ -76,3 +68,4 @@ OPTIONS = Options(
     Option("slo", str, None, optional=True),  # none: the config's empty {}
     Option("fail_on", str, None, optional=True),  # none: the config's ()
 )
+BenchStageConfig.OPTIONS = OPTIONS

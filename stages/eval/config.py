@@ -6,11 +6,13 @@ from pathlib import Path
 from typing import Mapping
 
 from ..errors import ConfigError
-from ..options import Option, Options, dtype_option
+from ..options import FromOptions, Option, Options, dtype_option
 
 
 @dataclass(frozen=True)
-class EvalConfig:
+class EvalConfig(FromOptions):
+    """What `llmopt eval` measures; its options are its fields, under the same names."""
+
     text: str = "wikitext2"
     seqlen: int = 2048
     max_windows: int | None = None  # None: every window of the text
@@ -18,18 +20,16 @@ class EvalConfig:
     dtype: str = "auto"  # the dtype both models run in (auto keeps each checkpoint's)
 
     @classmethod
-    def options(cls) -> Options:
-        """The options `llmopt eval` and a recipe's eval stage take."""
-        return OPTIONS
+    def from_values(cls, values: dict) -> "EvalConfig":
+        """The config for every option's value (the options are the fields)."""
+        return cls(**values)
 
     @classmethod
     def from_options(cls, options: Mapping[str, object]) -> "EvalConfig":
         """The validated config for these options; a missing text fails here, before any model loads."""
         from ..data import resolve_text
 
-        o = OPTIONS.complete(options)
-        config = cls(text=o["text"], seqlen=o["seqlen"], max_windows=o["max_windows"], ref=o["ref"], dtype=o["dtype"])
-        config.validate()
+        config = super().from_options(options)
         resolve_text(config.text)
         return config
 
@@ -52,3 +52,4 @@ OPTIONS = Options(
     Option("max_windows", int, DEFAULTS.max_windows, optional=True), Option("ref", str, DEFAULTS.ref, optional=True),
     dtype_option(DEFAULTS.dtype),
 )
+EvalConfig.OPTIONS = OPTIONS

@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Mapping
 
 from ..errors import ConfigError
-from ..options import Option, Options
+from ..options import FromOptions, Option, Options
 
 DEVICES = ("cpu", "cuda")
 # --quick: about a minute for two sources on a 2-core CPU (the full sweep takes several).
@@ -14,7 +13,7 @@ QUICK = dict(prompt_lens=(128, 512), batch_sizes=(1, 4, 16), context_lens=(128, 
 
 
 @dataclass(frozen=True)
-class ProfileConfig:
+class ProfileConfig(FromOptions):
     """One profiling run; every source gets the same sweep so their numbers compare."""
 
     prompt_lens: tuple[int, ...] = (128, 256, 512, 1024, 2048)  # prefill: one sequence of each length
@@ -35,19 +34,11 @@ class ProfileConfig:
     top_ops: int = 12
 
     @classmethod
-    def options(cls) -> Options:
-        """The options `llmopt profile` and a recipe's profile stage take."""
-        return OPTIONS
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object]) -> "ProfileConfig":
-        """The validated config for these options: the full sweep, or --quick's, with what was given on top."""
-        o = OPTIONS.complete(options)
-        given = {k: parse_int_list(o[k], f"--{k.replace('_', '-')}") if k in INT_LISTS else o[k]
-                 for k in OPTIONS if k != "quick"}
-        config = cls.quick(**given) if o["quick"] else cls().with_options(**given)
-        config.validate()
-        return config
+    def from_values(cls, values: dict) -> "ProfileConfig":
+        """The full sweep, or --quick's, with the options that were given (not None) on top."""
+        given = {k: parse_int_list(v, f"--{k.replace('_', '-')}") if k in INT_LISTS else v
+                 for k, v in values.items() if k != "quick"}
+        return cls.quick(**given) if values["quick"] else cls().with_options(**given)
 
     @classmethod
     def quick(cls, **overrides) -> "ProfileConfig":
@@ -124,3 +115,4 @@ OPTIONS = Options(
     Option("threads", int, None, optional=True), Option("memory_budget", str, None, optional=True),
     Option("plan_context", int, None, optional=True), Option("target_tpot_ms", float, None, optional=True),
 )
+ProfileConfig.OPTIONS = OPTIONS

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Mapping
-
 from ..calib import CalibConfig
 from ..errors import ConfigError
-from ..options import Option, Options, dtype_option
+from ..options import FromOptions, Option, Options, dtype_option
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
 STRUCTURED = ("mlp", "layers")
@@ -27,7 +25,9 @@ def parse_pattern(pattern: str) -> tuple[int, int] | None:
 
 
 @dataclass(frozen=True)
-class PruneConfig:
+class PruneConfig(FromOptions):
+    """One pruning: zeros (method, sparsity or N:M) or structured removal, calibration, the before/after check."""
+
     method: str | None = None  # magnitude | wanda | sparsegpt (default wanda); None with --structured
     sparsity: float | None = None  # None: 0.5, or what an N:M pattern implies
     pattern: str = "unstructured"
@@ -43,19 +43,11 @@ class PruneConfig:
     eval_windows: int = 4
 
     @classmethod
-    def options(cls) -> Options:
-        """The options `llmopt prune` and a recipe's prune stage take."""
-        return OPTIONS
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object]) -> "PruneConfig":
-        """The validated config for these options (names as the command's parameters; defaults for the rest)."""
-        o = OPTIONS.complete(options)
-        config = cls(method=o["method"], sparsity=o["sparsity"], pattern=o["pattern"], structured=o["structured"],
-                     ratio=o["ratio"], drop=o["drop"], ignore=tuple(o["ignore"] or ()), calib=CalibConfig.from_options(o),
-                     damp=o["damp"], device=o["device"], dtype=o["dtype"], eval_windows=o["eval_windows"])
-        config.validate()
-        return config
+    def from_values(cls, o: dict) -> "PruneConfig":
+        """The config for every option's value (see `OPTIONS`: the command line's names)."""
+        return cls(method=o["method"], sparsity=o["sparsity"], pattern=o["pattern"], structured=o["structured"],
+                   ratio=o["ratio"], drop=o["drop"], ignore=tuple(o["ignore"] or ()), calib=CalibConfig.from_values(o),
+                   damp=o["damp"], device=o["device"], dtype=o["dtype"], eval_windows=o["eval_windows"])
 
     def validate(self) -> None:
         if self.structured is None:
@@ -140,3 +132,4 @@ OPTIONS = Options(
     Option("ignore", list, None, optional=True), *CalibConfig.options(), Option("damp", float, DEFAULTS.damp),
     Option("device", str, DEFAULTS.device), dtype_option(DEFAULTS.dtype), Option("eval_windows", int, DEFAULTS.eval_windows),
 )
+PruneConfig.OPTIONS = OPTIONS

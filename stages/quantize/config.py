@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Mapping
-
 from ..calib import CalibConfig
 from ..errors import ConfigError
-from ..options import Option, Options, dtype_option
+from ..options import FromOptions, Option, Options, dtype_option
 
 SCHEMES = {
     # scheme -> (weight bits, activation bits or None, family)
@@ -29,7 +27,9 @@ AUTO = "auto"  # how the command line and recipes spell group_size None
 
 
 @dataclass(frozen=True)
-class QuantizeConfig:
+class QuantizeConfig(FromOptions):
+    """One quantization: method and scheme, grid, calibration, method settings, and the before/after check."""
+
     method: str = "gptq"
     scheme: str = "W4A16"
     group_size: int | None = None  # None: auto (128, 64 or 32, whichever divides); -1: one group per output channel
@@ -48,21 +48,13 @@ class QuantizeConfig:
     embeddings: str = "keep"
 
     @classmethod
-    def options(cls) -> Options:
-        """The options `llmopt quantize` and a recipe's quantize stage take."""
-        return OPTIONS
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object]) -> "QuantizeConfig":
-        """The validated config for these options (names as the command's parameters; defaults for the rest)."""
-        o = OPTIONS.complete(options)
-        config = cls(method=o["method"], scheme=o["scheme"].upper(), group_size=parse_group_size(o["group_size"]),
-                     symmetric=not o["asym"], ignore=tuple(o["ignore"] or ()), calib=CalibConfig.from_options(o),
-                     damp=o["damp"], act_order=o["act_order"], sink_share=o["sink_share"], observer=o["observer"],
-                     smoothing_alpha=o["alpha"], device=o["device"], dtype=o["dtype"],
-                     eval_windows=o["eval_windows"], embeddings=o["embeddings"])
-        config.validate()
-        return config
+    def from_values(cls, o: dict) -> "QuantizeConfig":
+        """The config for every option's value (see `OPTIONS`: the command line's names)."""
+        return cls(method=o["method"], scheme=o["scheme"].upper(), group_size=parse_group_size(o["group_size"]),
+                   symmetric=not o["asym"], ignore=tuple(o["ignore"] or ()), calib=CalibConfig.from_values(o),
+                   damp=o["damp"], act_order=o["act_order"], sink_share=o["sink_share"], observer=o["observer"],
+                   smoothing_alpha=o["alpha"], device=o["device"], dtype=o["dtype"],
+                   eval_windows=o["eval_windows"], embeddings=o["embeddings"])
 
     def validate(self) -> None:
         if self.method not in METHODS:
@@ -147,3 +139,4 @@ OPTIONS = Options(
     dtype_option(DEFAULTS.dtype), Option("eval_windows", int, DEFAULTS.eval_windows),
     Option("embeddings", str, DEFAULTS.embeddings),
 )
+QuantizeConfig.OPTIONS = OPTIONS

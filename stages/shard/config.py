@@ -2,27 +2,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
 
 from ..errors import ConfigError
-from ..options import Option, Options
+from ..options import FromOptions, Option, Options
 
 
 @dataclass(frozen=True)
-class ShardConfig:
+class ShardConfig(FromOptions):
+    """How many tensor-parallel ranks to split a model for."""
+
     tp: int
 
     @classmethod
-    def options(cls) -> Options:
-        """The options `llmopt shard` and a recipe's shard stage take."""
-        return OPTIONS
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object]) -> "ShardConfig":
-        """The validated config for these options (--tp is required)."""
-        config = cls(tp=OPTIONS.complete(options)["tp"])
-        config.validate()
-        return config
+    def from_values(cls, values: dict) -> "ShardConfig":
+        """The config for the --tp value."""
+        return cls(tp=values["tp"])
 
     def validate(self) -> None:
         if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
@@ -32,4 +26,5 @@ class ShardConfig:
         return {"tp": self.tp}
 
 
-OPTIONS = Options(Option("tp", int))
+OPTIONS = Options(Option("tp", int))  # required: no default
+ShardConfig.OPTIONS = OPTIONS
