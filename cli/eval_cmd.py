@@ -6,52 +6,35 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from .options import DType, DTypeOpt, Json, MaxWindows, Seqlen, Source
-from .ui import err, out, print_json, progress_bar
+from llmopt.stages.eval.config import OPTIONS
+
+from .options import DType, DTypeOpt, Json, MaxWindows, Seqlen, Source, stage_options
+from .ui import note, out, print_json, progress_bar
+
+D = OPTIONS.defaults
 
 
 def run(source: Source,
-        text: Annotated[str, typer.Option("--text", help="wikitext2, wikitext2-valid, or a text file.")] = "wikitext2",
-        seqlen: Seqlen = 2048, max_windows: MaxWindows = None,
-        ref: Annotated[Optional[str], typer.Option("--ref", help="Reference source for mean KL divergence.")] = None,
-        dtype: DTypeOpt = DType.auto,
+        text: Annotated[str, typer.Option("--text", help="wikitext2, wikitext2-valid, or a text file.")] = D.text,
+        seqlen: Seqlen = D.seqlen, max_windows: MaxWindows = D.max_windows,
+        ref: Annotated[Optional[str], typer.Option("--ref", help="Reference source for mean KL divergence.")] = D.ref,
+        dtype: DTypeOpt = DType(D.dtype),
         store: Annotated[bool, typer.Option("--store/--no-store", help="Save the result in the artifact's manifest.")] = True,
         json: Json = False) -> None:
-    from llmopt.stages import source as sources
-    from llmopt.stages.evaluate import evaluate, metric_key
-    from llmopt.stages.model_io import parse_dtype
+    from llmopt.stages.eval.config import EvalConfig
+    from llmopt.stages.eval.run import run_eval
+    from llmopt.stages.progress import StageHooks
+    from llmopt.stages.source import resolve
 
-    config = build_config(locals())
-    torch_dtype = parse_dtype(dtype.value)
-    with err.status(f"loading {source}"):
-        loaded = sources.load(source, dtype=torch_dtype)
-        ref_model = sources.load(ref, dtype=torch_dtype).model if ref else None
+    config = EvalConfig.from_options(stage_options(locals(), OPTIONS))  # a missing text fails before the load
+    for name in filter(None, (source, config.ref)):
+        resolve(name)  # so does a wrong path or alias, before the progress display starts
     with progress_bar(f"eval {source}") as update:
-        result = evaluate(loaded.model, loaded.tokenizer, config, ref_model=ref_model, on_window=update)
-    if store and loaded.artifact is not None:
-        loaded.artifact.update_metrics(metric_key(config), stored(result))
+        result = run_eval(source, config, StageHooks(status=note, window=update), store=store)
     if json:
         print_json(result.to_dict())
     else:
         render(source, result)
-
-
-def build_config(o: dict):
-    """The validated EvalConfig for `run`'s options (also what a recipe's eval stage takes)."""
-    from llmopt.stages.data import resolve_text
-    from llmopt.stages.evaluate import EvalConfig
-
-    config = EvalConfig(text=o["text"], seqlen=o["seqlen"], max_windows=o["max_windows"], ref=o["ref"])
-    config.validate()
-    resolve_text(o["text"])  # fail on a missing data set before the slow model load
-    return config
-
-
-def stored(result) -> dict:
-    """What the manifest keeps of an eval result (no per-window numbers)."""
-    data = result.to_dict()
-    data.pop("window_nll")
-    return data
 
 
 def render(source: str, r) -> None:

@@ -10,7 +10,8 @@ from typer.exceptions import TyperException
 
 from llmopt.stages.errors import LlmoptError
 
-from . import bench_cmd, eval_cmd, generate_cmd, import_cmd, inspect_cmd, profile_cmd, prune_cmd, quantize_cmd, run_cmd, serve_cmd, shard_cmd
+from . import (bench_cmd, bench_compare_cmd, eval_cmd, generate_cmd, import_cmd, inspect_cmd, profile_cmd, prune_cmd,
+               quantize_cmd, run_cmd, serve_cmd, shard_cmd)
 
 app = typer.Typer(
     name="llmopt", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -26,7 +27,12 @@ app.command("eval", help="Perplexity (and KL vs a reference) on a text, GPTQ-sty
 app.command("generate", help="Offline generation through the serve engine (one prompt, or a resumable JSONL batch).")(generate_cmd.run)
 app.command("profile", help="Where time and memory go on the serve engine: roofline, per-layer/op, capacity plan, HTML.")(profile_cmd.run)
 app.command("serve", help="OpenAI-compatible HTTP server: streaming, metrics, health, backpressure, auth.")(serve_cmd.run)
-app.add_typer(bench_cmd.app, name="bench", help="Load-test an OpenAI-compatible server; `bench compare` gates regressions.")
+bench = typer.Typer(invoke_without_command=True, add_completion=False, help=(
+    "Load-test an OpenAI-compatible server: throughput, TTFT, TPOT, ITL and end-to-end latency."))
+bench.callback()(bench_cmd.run)
+bench.command("compare", help="Side-by-side table of two --json reports; exit 1 on a regression beyond the bound.")(
+    bench_compare_cmd.run)
+app.add_typer(bench, name="bench", help="Load-test an OpenAI-compatible server; `bench compare` gates regressions.")
 
 
 @app.callback()

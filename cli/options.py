@@ -1,4 +1,4 @@
-"""Options shared by several commands, as Annotated aliases."""
+"""Options shared by several commands, as Annotated aliases, and how a command hands its options to a stage."""
 from __future__ import annotations
 
 from enum import Enum
@@ -7,13 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from llmopt.stages.options import DTYPES
 
-class DType(str, Enum):
-    auto = "auto"
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
+DType = Enum("DType", {name: name for name in DTYPES}, type=str)  # the stages' --dtype choices
 
 Source = Annotated[str, typer.Argument(help="Model source: HF directory, .gguf file, llmopt artifact, or alias (smollm2-135m).")]
 Output = Annotated[Path, typer.Option("--output", "-o", help="Directory to write the artifact to.")]
@@ -23,6 +19,15 @@ DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Weight dtype (auto kee
 Seqlen = Annotated[int, typer.Option("--seqlen", min=2, help="Tokens per evaluation window.")]
 MaxWindows = Annotated[Optional[int], typer.Option("--max-windows", min=1, help="Evaluate only the first N windows.")]
 
+# Quantize and prune: calibration, what to leave alone, where to compute, and the quick before/after check.
+Calib = Annotated[str, typer.Option("--calib", help="wikitext2-valid | sharegpt | FILE | self")]
+NSamples = Annotated[int, typer.Option("--nsamples", min=1)]
+CalibSeqlen = Annotated[int, typer.Option("--seqlen", min=2)]
+Seed = Annotated[int, typer.Option("--seed")]
+Ignore = Annotated[Optional[list[str]], typer.Option("--ignore", help="Linear names/globs/re: to keep dense.")]
+Device = Annotated[str, typer.Option("--device", help="cpu | cuda")]
+EvalWindows = Annotated[int, typer.Option("--eval-windows", min=0, help="Perplexity windows before/after (0: off).")]
+
 # Tensor-parallel serving across machines (torchrun's variables); a single node needs none of them.
 NNodes = Annotated[int, typer.Option("--nnodes", min=1, help="Machines a sharded artifact's ranks span.")]
 NodeRank = Annotated[int, typer.Option("--node-rank", min=0, help="This machine's index (0 serves HTTP; "
@@ -30,3 +35,9 @@ NodeRank = Annotated[int, typer.Option("--node-rank", min=0, help="This machine'
 MasterAddr = Annotated[str, typer.Option("--master-addr", help="Node 0's address for the rank rendezvous.")]
 MasterPort = Annotated[Optional[int], typer.Option("--master-port", min=1, max=65535,
                                                    help="Rendezvous port (default: a free one, single node).")]
+
+
+def stage_options(values: dict, schema) -> dict:
+    """The command's values of a stage's options (`schema`, a stages.options.Options), as the stage takes
+    them: every name the schema has, choices as their plain strings."""
+    return {name: values[name].value if isinstance(values[name], Enum) else values[name] for name in schema}

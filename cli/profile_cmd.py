@@ -8,8 +8,12 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from llmopt.stages.profile.config import OPTIONS
+
+from .options import stage_options
 from .ui import note, out, progress_bar
 
+D = OPTIONS.defaults
 Sources = Annotated[list[str], typer.Argument(help="Model sources (artifact, HF dir, .gguf, alias) to compare.")]
 Ints = Optional[str]
 
@@ -19,27 +23,28 @@ def _opt(name: str, help: str):
 
 
 def run(sources: Sources,
-        quick: Annotated[bool, _opt("--quick", "A short sweep (about a minute per source on 2 CPU cores).")] = False,
+        quick: Annotated[bool, _opt("--quick", "A short sweep (about a minute per source on 2 CPU cores).")] = D.quick,
         json_file: Annotated[Optional[Path], _opt("--json", "Write the full report as JSON to FILE.")] = None,
         html_file: Annotated[Optional[Path], _opt("--html", "Write a self-contained HTML report to FILE.")] = None,
-        prompt_lens: Annotated[Ints, _opt("--prompt-lens", "Prefill prompt lengths, e.g. 128,512,2048.")] = None,
-        batch_sizes: Annotated[Ints, _opt("--batch-sizes", "Decode batch sizes (must include 1).")] = None,
-        context_lens: Annotated[Ints, _opt("--context-lens", "Decode contexts at batch 1.")] = None,
-        decode_context: Annotated[Optional[int], _opt("--decode-context", "Context of the batch sweep.")] = None,
-        decode_steps: Annotated[Optional[int], _opt("--decode-steps", "Decode steps timed per point.")] = None,
-        repeats: Annotated[Optional[int], _opt("--repeats", "Prefill timings per length.")] = None,
-        device: Annotated[str, _opt("--device", "cpu | cuda")] = "cpu",
-        dtype: Annotated[Optional[str], _opt("--dtype", "auto | fp32 | bf16 | fp16")] = None,
-        threads: Annotated[Optional[int], _opt("--threads", "torch threads (default: torch's).")] = None,
-        memory_budget: Annotated[Optional[str], _opt("--memory-budget", "Planner: 8GiB, or 0.9 of free.")] = None,
-        plan_context: Annotated[Optional[int], _opt("--plan-context", "Planner: tokens per sequence.")] = None,
-        target_tpot_ms: Annotated[Optional[float], _opt("--target-tpot-ms", "Planner: latency target.")] = None,
+        prompt_lens: Annotated[Ints, _opt("--prompt-lens", "Prefill prompt lengths, e.g. 128,512,2048.")] = D.prompt_lens,
+        batch_sizes: Annotated[Ints, _opt("--batch-sizes", "Decode batch sizes (must include 1).")] = D.batch_sizes,
+        context_lens: Annotated[Ints, _opt("--context-lens", "Decode contexts at batch 1.")] = D.context_lens,
+        decode_context: Annotated[Optional[int], _opt("--decode-context", "Context of the batch sweep.")] = D.decode_context,
+        decode_steps: Annotated[Optional[int], _opt("--decode-steps", "Decode steps timed per point.")] = D.decode_steps,
+        repeats: Annotated[Optional[int], _opt("--repeats", "Prefill timings per length.")] = D.repeats,
+        device: Annotated[str, _opt("--device", "cpu | cuda")] = D.device,
+        dtype: Annotated[Optional[str], _opt("--dtype", "auto | fp32 | bf16 | fp16")] = D.dtype,
+        threads: Annotated[Optional[int], _opt("--threads", "torch threads (default: torch's).")] = D.threads,
+        memory_budget: Annotated[Optional[str], _opt("--memory-budget", "Planner: 8GiB, or 0.9 of free.")] = D.memory_budget,
+        plan_context: Annotated[Optional[int], _opt("--plan-context", "Planner: tokens per sequence.")] = D.plan_context,
+        target_tpot_ms: Annotated[Optional[float], _opt("--target-tpot-ms", "Planner: latency target.")] = D.target_tpot_ms,
         per_layer: Annotated[bool, _opt("--per-layer", "Print every layer's row in the terminal.")] = False) -> None:
+    from llmopt.stages.profile.config import ProfileConfig
     from llmopt.stages.profile.html import check_output_path, write_report
     from llmopt.stages.profile.run import preflight, run_profile
     from llmopt.stages.progress import StageHooks
 
-    config = build_config(locals())
+    config = ProfileConfig.from_options(stage_options(locals(), OPTIONS))
     check_output_path(json_file, "--json")
     check_output_path(html_file, "--html")
     preflight(sources, config)
@@ -50,20 +55,6 @@ def run(sources: Sources,
     for path in (json_file, html_file):
         if path is not None:
             note(f"wrote {path}")
-
-
-def build_config(o: dict):
-    """The validated ProfileConfig for `run`'s options (also what a recipe's profile stage takes)."""
-    from llmopt.stages.profile.config import ProfileConfig, parse_int_list
-
-    options = dict(prompt_lens=parse_int_list(o["prompt_lens"], "--prompt-lens"),
-                   batch_sizes=parse_int_list(o["batch_sizes"], "--batch-sizes"),
-                   context_lens=parse_int_list(o["context_lens"], "--context-lens"),
-                   **{k: o[k] for k in ("decode_context", "decode_steps", "repeats", "device", "dtype", "threads",
-                                        "memory_budget", "plan_context", "target_tpot_ms")})
-    config = ProfileConfig.quick(**options) if o["quick"] else ProfileConfig().with_options(**options)
-    config.validate()
-    return config
 
 
 def render(report: dict, per_layer: bool) -> None:

@@ -7,9 +7,13 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from .options import DType, DTypeOpt, Force, Json, Output, Source
+from llmopt.stages.prune.config import OPTIONS
+
+from .options import (Calib, CalibSeqlen, Device, DType, DTypeOpt, EvalWindows, Force, Ignore, Json, NSamples, Output,
+                      Seed, Source, stage_options)
 from .ui import human_bytes, out, run_stage
 
+D = OPTIONS.defaults
 Method = Annotated[Optional[str], typer.Option("--method", help="magnitude | wanda | sparsegpt (default wanda)")]
 Sparsity = Annotated[Optional[float], typer.Option("--sparsity", help="Share of weights to zero (default 0.5).")]
 Pattern = Annotated[str, typer.Option("--pattern", help="unstructured | 2:4 | 4:8 (any N:M)")]
@@ -17,39 +21,20 @@ Structured = Annotated[Optional[str], typer.Option(
     "--structured", help="mlp (with --ratio) | layers (with --drop): a smaller model, faster on any runtime")]
 Ratio = Annotated[Optional[float], typer.Option("--ratio", help="--structured mlp: share of channels to remove.")]
 Drop = Annotated[Optional[int], typer.Option("--drop", help="--structured layers: how many layers to remove.")]
-Ignore = Annotated[Optional[list[str]], typer.Option("--ignore", help="Linear names/globs/re: to keep dense.")]
-Calib = Annotated[str, typer.Option("--calib", help="wikitext2-valid | sharegpt | FILE | self")]
 Damp = Annotated[float, typer.Option("--damp", help="SparseGPT dampening, fraction of mean diag(H).")]
-EvalWindows = Annotated[int, typer.Option("--eval-windows", min=0, help="Perplexity windows before/after (0: off).")]
 
 
-def run(source: Source, output: Output, method: Method = None, sparsity: Sparsity = None,
-        pattern: Pattern = "unstructured", structured: Structured = None, ratio: Ratio = None, drop: Drop = None,
-        ignore: Ignore = None, calib: Calib = "wikitext2-valid",
-        nsamples: Annotated[int, typer.Option("--nsamples", min=1)] = 128,
-        seqlen: Annotated[int, typer.Option("--seqlen", min=2)] = 2048,
-        seed: Annotated[int, typer.Option("--seed")] = 0, damp: Damp = 0.01,
-        device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = "cpu",
-        dtype: DTypeOpt = DType.auto, eval_windows: EvalWindows = 4, force: Force = False, json: Json = False) -> None:
-    from llmopt.stages.model_io import parse_dtype
+def run(source: Source, output: Output, method: Method = D.method, sparsity: Sparsity = D.sparsity,
+        pattern: Pattern = D.pattern, structured: Structured = D.structured, ratio: Ratio = D.ratio, drop: Drop = D.drop,
+        ignore: Ignore = D.ignore, calib: Calib = D.calib, nsamples: NSamples = D.nsamples,
+        seqlen: CalibSeqlen = D.seqlen, seed: Seed = D.seed, damp: Damp = D.damp, device: Device = D.device,
+        dtype: DTypeOpt = DType(D.dtype), eval_windows: EvalWindows = D.eval_windows, force: Force = False,
+        json: Json = False) -> None:
+    from llmopt.stages.prune.config import PruneConfig
     from llmopt.stages.prune.run import run_prune
 
-    config = build_config(locals())
-    run_stage("prune", lambda hooks: run_prune(source, output, config, dtype=parse_dtype(dtype.value), force=force,
-                                           hooks=hooks), json, render)
-
-
-def build_config(o: dict):
-    """The validated PruneConfig for `run`'s options (also what a recipe's prune stage takes)."""
-    from llmopt.stages.calib import CalibConfig
-    from llmopt.stages.prune.config import PruneConfig
-
-    config = PruneConfig(method=o["method"], sparsity=o["sparsity"], pattern=o["pattern"], structured=o["structured"],
-                         ratio=o["ratio"], drop=o["drop"], ignore=tuple(o["ignore"] or ()),
-                         calib=CalibConfig(o["calib"], o["nsamples"], o["seqlen"], o["seed"]), damp=o["damp"],
-                         device=o["device"], eval_windows=o["eval_windows"])
-    config.validate()
-    return config
+    config = PruneConfig.from_options(stage_options(locals(), OPTIONS))
+    run_stage("prune", lambda hooks: run_prune(source, output, config, force=force, hooks=hooks), json, render)
 
 
 def render(art, metrics: dict) -> None:

@@ -6,26 +6,18 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from .options import Force, Json, Output, Source
+from .options import Force, Json, Output, Source, stage_options
 from .ui import human_bytes, out, run_stage
 
 
 def run(source: Source, output: Output,
         tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks (any count up to the query heads).")],
         force: Force = False, json: Json = False) -> None:
+    from llmopt.stages.shard.config import OPTIONS, ShardConfig
     from llmopt.stages.shard.run import run_shard
 
-    config = build_config(locals())
+    config = ShardConfig.from_options(stage_options(locals(), OPTIONS))
     run_stage("shard", lambda hooks: run_shard(source, output, config, force=force, hooks=hooks), json, render)
-
-
-def build_config(o: dict):
-    """The validated ShardConfig for `run`'s options (also what a recipe's shard stage takes)."""
-    from llmopt.stages.shard.config import ShardConfig
-
-    config = ShardConfig(tp=o["tp"])
-    config.validate()
-    return config
 
 
 def render(art, metrics: dict) -> None:

@@ -16,10 +16,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmopt.stages import registry
 from llmopt.stages.artifact import Artifact, is_artifact, now_iso, sha256_file
 from llmopt.stages.errors import ArtifactError, LlmoptError
 
 from .spec import SOURCE, Recipe, RecipeError, StageSpec
+from .summary import summarize
 
 RECORDS = ".llmopt-run"
 SUMMARY = "summary.json"
@@ -213,65 +215,35 @@ class RecipeRunner:
         tmp.replace(path)
 
     def _run_stage(self, spec: StageSpec, refs: list[str]) -> dict:
-        runner = {"quantize": self._quantize, "prune": self._prune, "shard": self._shard, "eval": self._eval,
-                  "profile": self._profile, "bench": self._bench}[spec.kind]
-        return runner(spec, refs)
+        stage = registry.stage(spec.kind)
+        if stage.writes_artifact:
+            return self._artifact_stage(spec, stage.run, refs[0])
+        return {"eval": self._eval, "profile": self._profile, "bench": self._bench}[spec.kind](spec, stage.run, refs)
 
-    def _artifact_stage(self, spec: StageSpec, make) -> dict:
+    def _artifact_stage(self, spec: StageSpec, run, ref: str) -> dict:
         with self.view.hooks(spec) as hooks:
-            art = make(self.output(spec), hooks)
+            art = run(ref, self.output(spec), spec.built, force=True, hooks=hooks)
         self._hashes[spec.name] = art.content_hash
         self.view.artifact(spec, art)
         return {"output_hash": art.content_hash}
 
-    def _quantize(self, spec: StageSpec, refs: list[str]) -> dict:
-        from llmopt.stages.model_io import parse_dtype
-        from llmopt.stages.quantize.run import run_quantize
+    def _eval(self, spec: StageSpec, run_eval, refs: list[str]) -> dict:
+        from llmopt.stages.eval.run import load_reference
 
-        dtype = parse_dtype(spec.options["dtype"])
-        return self._artifact_stage(spec, lambda dest, hooks: run_quantize(refs[0], dest, spec.built, dtype=dtype,
-                                                                            force=True, hooks=hooks))
-
-    def _prune(self, spec: StageSpec, refs: list[str]) -> dict:
-        from llmopt.stages.model_io import parse_dtype
-        from llmopt.stages.prune.run import run_prune
-
-        dtype = parse_dtype(spec.options["dtype"])
-        return self._artifact_stage(spec, lambda dest, hooks: run_prune(refs[0], dest, spec.built, dtype=dtype,
-                                                                         force=True, hooks=hooks))
-
-    def _shard(self, spec: StageSpec, refs: list[str]) -> dict:
-        from llmopt.stages.shard.run import run_shard
-
-        return self._artifact_stage(spec, lambda dest, hooks: run_shard(refs[0], dest, spec.built, force=True,
-                                                                         hooks=hooks))
-
-    def _eval(self, spec: StageSpec, refs: list[str]) -> dict:
-        from llmopt.cli.eval_cmd import stored
-        from llmopt.stages import source as sources
-        from llmopt.stages.evaluate import evaluate, metric_key
-        from llmopt.stages.model_io import parse_dtype
-
-        config, dtype = spec.built, parse_dtype(spec.options["dtype"])
-        ref_model = sources.load(config.ref, dtype=dtype).model if config.ref else None
-        results = {}
+        config = spec.built
+        reference, results = load_reference(config), {}
         for name, ref in zip(spec.inputs, refs):
             with self.view.hooks(spec) as hooks:
-                hooks.status(f"loading {ref}")
-                loaded = sources.load(ref, dtype=dtype)
-                result = evaluate(loaded.model, loaded.tokenizer, config, ref_model=ref_model, on_window=hooks.window)
-            if loaded.artifact is not None:
-                loaded.artifact.update_metrics(metric_key(config), stored(result))
-            results[name] = stored(result)
+                result = run_eval(ref, config, hooks, reference=reference)
+            results[name] = result.record()
             self.view.evaluated(ref, result)
-            del loaded
-        return self._write_results(spec, {"eval.json": {"metric": metric_key(config), "results": results}})
+        return self._write_results(spec, {"eval.json": {"metric": config.metric_key(), "results": results}})
 
-    def _profile(self, spec: StageSpec, refs: list[str]) -> dict:
+    def _profile(self, spec: StageSpec, run_profile, refs: list[str]) -> dict:
         from llmopt.stages.profile.html import write_report
-        from llmopt.stages.profile.run import preflight, run_profile
+        from llmopt.stages.profile.run import preflight
 
-        preflight(refs, spec.built)
+        preflight(refs, spec.built)  # a source the sweep cannot run fails before the progress display
         with self.view.hooks(spec) as hooks:
             report = run_profile(refs, spec.built, hooks)
         report["inputs"] = list(spec.inputs)
@@ -281,37 +253,22 @@ class RecipeRunner:
         self.view.profiled(report)
         return self._file_record(spec, ["profile.json", "profile.html"])
 
-    def _bench(self, spec: StageSpec, refs: list[str]) -> dict:
-        from dataclasses import replace
+    def _bench(self, spec: StageSpec, bench_source, refs: list[str]) -> dict:
+        from llmopt.stages.bench.run import BenchHooks, load_bench_requests
 
-        from llmopt.cli.bench_cmd import server_spec
-        from llmopt.stages.bench.dataset import load_requests, load_tokenizer
-        from llmopt.stages.bench.gate import broken_bounds
-        from llmopt.stages.bench.report import build_report
-        from llmopt.stages.bench.runner import run_bench
-        from llmopt.stages.bench.server import running_server
-
-        config, data, bounds = spec.built
-        tokenizer = spec.options["tokenizer"]
-        requests = load_requests(data, load_tokenizer(tokenizer) if tokenizer else None)
-        reports, broken = {}, []
+        requests = load_bench_requests(spec.built)
+        hooks = BenchHooks(status=self.view.note, progress=self.view.bench_progress)
+        reports, failures = {}, []
         for name, ref in zip(spec.inputs, refs):
-            server = server_spec(ref, spec.options)
-            with running_server(server, self.view.note) as base:
-                run_config = replace(config, url=base)
-                with self.view.bench_progress(len(requests)) as on_result:
-                    result = run_bench(run_config, requests, on_result=on_result)
-            report = build_report(run_config, data, result, server=server.describe())
-            if report["interrupted"]:
+            outcome = bench_source(spec.built, requests, ref, hooks)
+            if outcome.report["interrupted"]:
                 raise KeyboardInterrupt
-            reports[f"{name}.json"] = report
-            self.view.benched(report)
-            broken += [f"{name}: {why}" for why in broken_bounds(bounds, report)]
-            if report["completed"] == 0:
-                broken.append(f"{name}: no request completed")
+            reports[f"{name}.json"] = outcome.report
+            self.view.benched(outcome.report)
+            failures += [f"{name}: {why}" for why in outcome.failures]
         record = self._write_results(spec, reports)
-        if broken:
-            raise StageFailed(f"stage {spec.name}: " + "; ".join(broken))
+        if failures:
+            raise StageFailed(f"stage {spec.name}: " + "; ".join(failures))
         return record
 
     def _write_results(self, spec: StageSpec, files: dict[str, dict]) -> dict:
@@ -331,90 +288,4 @@ class RecipeRunner:
     def summary(self) -> dict:
         """One row per model (the source and every artifact the recipe wrote) with what was measured
         on it: size, perplexity, decode tok/s, bench throughput and p99 latencies."""
-        rows = {SOURCE: _model_row(SOURCE, self.recipe.source, "source", self._source_artifact())}
-        if rows[SOURCE]["size_bytes"] is None:  # a Hugging Face directory: its safetensors files
-            path = Path(self.recipe.source).expanduser()
-            rows[SOURCE]["size_bytes"] = sum(f.stat().st_size for f in path.glob("*.safetensors")) or None
-        for spec in self.recipe.stages:
-            if spec.writes_artifact:
-                art = _open(self.output(spec))
-                rows[spec.name] = _model_row(spec.name, str(self.output(spec)), _made_by(spec, art), art)
-        notes = []
-        for spec in self.recipe.stages:
-            if spec.writes_artifact:
-                continue
-            try:
-                self._fold(spec, rows, notes)
-            except (OSError, json.JSONDecodeError, KeyError):
-                notes.append(f"{spec.name}: no results yet")
-        return {"recipe": str(self.recipe.path), "workdir": str(self.workdir), "rows": list(rows.values()),
-                "notes": notes}
-
-    def _source_artifact(self) -> Artifact | None:
-        from llmopt.stages import source as sources
-
-        try:
-            src = sources.resolve(self.recipe.source)
-            cached = src.path if src.kind == "artifact" else sources.import_cache_path(src)
-            return _open(cached) if src.kind != "hf" else None
-        except LlmoptError:
-            return None
-
-    def _fold(self, spec: StageSpec, rows: dict, notes: list[str]) -> None:
-        out = self.output(spec)
-        if spec.kind == "eval":
-            data = json.loads((out / "eval.json").read_text())
-            for name, r in data["results"].items():
-                rows[name]["perplexity"] = r["perplexity"]
-                p = r["protocol"]
-                scope = "all" if r["windows"] == r["windows_available"] else "a subset:"
-                rows[name]["perplexity_note"] = (f"{p['name']}, {scope} {r['windows']} of {r['windows_available']} "
-                                                 f"windows of {p['seqlen']} tokens")
-        elif spec.kind == "profile":
-            report = json.loads((out / "profile.json").read_text())
-            for name, r in zip(report["inputs"], report["comparison"]):
-                rows[name]["decode_tok_s"] = r["decode_tokens_per_s_b1"]
-                rows[name]["decode_note"] = "profile: batch 1 decode step"
-                if rows[name].get("perplexity") is None and r.get("perplexity") is not None:
-                    rows[name]["perplexity"] = r["perplexity"]
-                    rows[name]["perplexity_note"] = r.get("perplexity_protocol")
-        elif spec.kind == "bench":
-            for name in spec.inputs:
-                report = json.loads((out / f"{name}.json").read_text())
-                row = rows[name]
-                row["bench"] = spec.name
-                row["output_tok_s"] = report["output_throughput"]
-                row["p99_ttft_ms"] = report["p99_ttft_ms"]
-                row["p99_tpot_ms"] = report["p99_tpot_ms"]
-                row["bench_note"] = (f"{report['completed']} requests, {report['dataset']}, concurrency "
-                                     f"{report.get('max_concurrency') or 'unlimited'}")
-                if row.get("decode_tok_s") is None and report.get("median_tpot_ms"):
-                    row["decode_tok_s"] = 1000.0 / report["median_tpot_ms"]
-                    row["decode_note"] = "bench: 1000 / median TPOT, per stream under load"
-
-
-def _open(path: Path) -> Artifact | None:
-    try:
-        return Artifact.open(path, verify=False)
-    except (ArtifactError, OSError):
-        return None
-
-
-def _model_row(name: str, ref: str, made_by: str, art: Artifact | None) -> dict:
-    size = None
-    if art is not None:
-        size = sum(e["bytes"] for f, e in art.manifest["files"].items() if f.endswith(".safetensors"))
-    return {"name": name, "ref": ref, "made_by": made_by, "size_bytes": size, "perplexity": None,
-            "decode_tok_s": None, "output_tok_s": None, "p99_ttft_ms": None, "p99_tpot_ms": None}
-
-
-def _made_by(spec: StageSpec, art: Artifact | None) -> str:
-    o = spec.options
-    if spec.kind == "quantize":
-        group = "" if o["group_size"] == "auto" else f" g{o['group_size']}"
-        return f"{o['method']} {o['scheme']}{group}"
-    if spec.kind == "prune":
-        if o["structured"]:
-            return f"structured {o['structured']} " + (f"ratio {o['ratio']}" if o["ratio"] else f"drop {o['drop']}")
-        return f"{o['method'] or 'wanda'} {o['pattern']}"
-    return f"shard --tp {o['tp']}"
+        return summarize(self.recipe, self.workdir)

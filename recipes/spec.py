@@ -1,4 +1,4 @@
-"""Recipe files: YAML -> a validated Recipe whose stages carry their subcommand's config objects.
+"""Recipe files: YAML -> a validated Recipe whose stages carry their stage's config objects.
 
 A recipe names a source and an ordered list of stages. Each stage is a one-key mapping from the
 stage kind to its options, spelled as on the command line (`group-size` or `group_size`):
@@ -8,54 +8,30 @@ stage kind to its options, spelled as on the command line (`group-size` or `grou
       - quantize: {method: gptq, scheme: W4A16, nsamples: 64}
       - eval: {input: [source, quantize], max-windows: 4}
 
-The options a stage accepts, their types and defaults are read from the subcommand itself, and the
-subcommand's own builder turns them into its config dataclass, so a recipe and the command line can
-never disagree. Every error names the file, the line and the key.
+The options a stage accepts, their types and defaults are the stage's own (stages.registry), and the
+stage builds its config from them, as it does for the command line, so a recipe and the command
+line can never disagree. Every error names the file, the line and the key.
 """
 from __future__ import annotations
 
-import inspect
-import types
-import typing
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 import yaml
 
+from llmopt.stages import registry
 from llmopt.stages.errors import ConfigError
+from llmopt.stages.options import Option, OptionError
 
-ARTIFACT_KINDS = ("prune", "quantize", "shard")  # stages that write a new model artifact
-KINDS = (*ARTIFACT_KINDS, "eval", "profile", "bench")
-MULTI_INPUT = ("eval", "profile", "bench")  # measurement stages may take several inputs
+KINDS = registry.KINDS
 TOP_KEYS = ("name", "description", "source", "workdir", "stages")
 STAGE_KEYS = ("name", "input")  # every stage: its name (default: the kind) and what it reads
 SOURCE = "source"  # the input name of the recipe's source
-# Command-line parameters that a recipe sets itself (paths, display) and so does not take.
-EXCLUDED = {
-    "quantize": {"source", "output", "force", "json"},
-    "prune": {"source", "output", "force", "json"},
-    "shard": {"source", "output", "force", "json"},
-    "eval": {"source", "store", "json"},
-    "profile": {"sources", "json_file", "html_file", "per_layer"},
-    "bench": {"ctx", "url", "server", "model", "api_key", "json", "plot", "quiet"},
-}
 BUILTIN_DIR = Path(__file__).resolve().parent
-
-
-REQUIRED = inspect.Parameter.empty  # an option the subcommand cannot do without (shard --tp)
 
 
 class RecipeError(ConfigError):
     """A recipe that cannot run as written; the message starts with file:line."""
-
-
-@dataclass(frozen=True)
-class Option:
-    name: str  # python name, e.g. group_size
-    kind: type  # bool | int | float | str | list | an Enum
-    optional: bool
-    default: object
 
 
 @dataclass
@@ -63,14 +39,14 @@ class StageSpec:
     kind: str
     name: str
     inputs: tuple[str, ...]
-    options: dict  # every option of the subcommand, defaults filled in
+    options: dict  # every option of the stage, defaults filled in
     given: dict  # what the recipe wrote (normalized names), for display and hashing
     line: int
-    built: object = None  # the subcommand's config object(s)
+    built: object = None  # the stage's config
 
     @property
     def writes_artifact(self) -> bool:
-        return self.kind in ARTIFACT_KINDS
+        return registry.stage(self.kind).writes_artifact
 
 
 @dataclass
@@ -112,6 +88,7 @@ def load_recipe(ref: str | Path) -> Recipe:
 
 
 def parse_recipe(text: str, path: Path) -> Recipe:
+    """The validated recipe in `text` (`path` names it in errors)."""
     loader = _Loader(text)
     loader.name = str(path)
     try:
@@ -169,21 +146,19 @@ def _stage(item, index: int, list_line: int, where: "_Where", seen: set[str], pr
     if name in seen:
         raise RecipeError(f"{where.path}:{line}: {label}: the name is taken; give this stage a name: key")
     inputs = _inputs(body, kind, label, where, producers)
-    schema = options_of(kind)
+    stage = registry.stage(kind)
+    schema = stage.options
     where.unknown(body, (*STAGE_KEYS, *schema), label, hint=f"see llmopt {kind} --help")
     given = {k: where.coerce(body, k, schema[k], label) for k in body if k not in STAGE_KEYS}
-    options = {k: o.default for k, o in schema.items()} | given
-    missing = [k.replace("_", "-") for k, v in options.items() if v is REQUIRED]
+    missing = [k.replace("_", "-") for k in schema if schema[k].required and k not in given]
     if missing:
         raise RecipeError(f"{where.path}:{line}: {label}: needs {', '.join(f'{m}:' for m in missing)}")
-    spec = StageSpec(kind=kind, name=name, inputs=inputs, options=options, given=given, line=line)
     try:
-        spec.built = build(kind, options)
-    except RecipeError:
-        raise
-    except ConfigError as e:  # the subcommand's own validation, e.g. "--group-size must be ..."
+        built = stage.build(given)
+    except ConfigError as e:  # the stage's own validation, e.g. "--group-size must be ..."
         raise RecipeError(f"{where.path}:{_line_of(str(e), body, line)}: {label}: {e}") from None
-    return spec
+    return StageSpec(kind=kind, name=name, inputs=inputs, options=schema.complete(given), given=given, line=line,
+                     built=built)
 
 
 def _line_of(message: str, body: "_Map", default: int) -> int:
@@ -202,7 +177,7 @@ def _inputs(body: "_Map", kind: str, label: str, where: "_Where", producers: lis
     line = body.lines["input"]
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         raise RecipeError(f"{where.path}:{line}: {label}: input must be a stage name or a list of them")
-    if len(names) > 1 and kind not in MULTI_INPUT:
+    if len(names) > 1 and not registry.stage(kind).multi_input:
         raise RecipeError(f"{where.path}:{line}: {label}: a {kind} stage reads one input (got {len(names)})")
     for n in names:
         if n not in producers:
@@ -213,52 +188,19 @@ def _inputs(body: "_Map", kind: str, label: str, where: "_Where", producers: lis
     return tuple(names)
 
 
-def options_of(kind: str) -> dict[str, Option]:
-    """The options of `llmopt KIND` as a recipe takes them: names, types and defaults from the command."""
-    func = _command(kind)
-    hints = typing.get_type_hints(func, include_extras=True)
-    result = {}
-    for name, param in inspect.signature(func).parameters.items():
-        if name in EXCLUDED[kind]:
-            continue
-        kind_, optional = _base_type(hints[name])
-        default = param.default.value if isinstance(param.default, Enum) else param.default
-        if default is inspect.Parameter.empty:
-            default = REQUIRED
-        result[name] = Option(name, kind_, optional, default)
-    return result
-
-
-def build(kind: str, options: dict):
-    """The subcommand's validated config object(s) for these options."""
-    module = _module(kind)
-    built = module.build_config(options)
-    if kind == "bench":  # the server is started on each input; check its options now
-        module.server_spec("placeholder", options)
-    return built
-
-
-def _command(kind: str):
-    return _module(kind).run
-
-
-def _module(kind: str):
-    from llmopt.cli import bench_cmd, eval_cmd, profile_cmd, prune_cmd, quantize_cmd, shard_cmd
-
-    return {"quantize": quantize_cmd, "prune": prune_cmd, "shard": shard_cmd, "eval": eval_cmd,
-            "profile": profile_cmd, "bench": bench_cmd}[kind]
-
-
-def _base_type(hint) -> tuple[type, bool]:
-    if typing.get_origin(hint) is typing.Annotated:
-        hint = typing.get_args(hint)[0]
-    optional = False
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        optional, hint = True, args[0]
-    if typing.get_origin(hint) is list:
-        return list, optional
-    return hint, optional
+def _as_given(value, option: Option):
+    """YAML's conveniences, spelled as the command line gives the option."""
+    if option.kind is list and isinstance(value, str):
+        return [value]  # serve-args: "--max-num-seqs 8"
+    if option.kind is not str or option.choices:
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # group-size: 64, request-rate: 2.5
+    if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return ",".join(map(str, value))  # prompt-lens: [128, 512]
+    if isinstance(value, _Map) and value and all(isinstance(v, (int, float)) for v in value.values()):
+        return ",".join(f"{a}={b}" for a, b in value.items())  # slo: {ttft_ms: 500}
+    return value
 
 
 class _Where:
@@ -288,49 +230,14 @@ class _Where:
                                   f"{str(key).replace('_', '-')!r} (known: {shown}{'; ' + hint if hint else ''})")
 
     def typed(self, body: "_Map", key: str, kind: type, label: str):
-        return self.coerce(body, key, Option(key, kind, False, None), label)
+        return self.coerce(body, key, Option(key, kind), label)
 
-    def coerce(self, body: "_Map", key: str, opt: Option, label: str):
-        value, line = body[key], body.lines[key]
-        where = f"{self.path}:{line}: {label}: {key.replace('_', '-')}"
-        if value is None:
-            if opt.optional:
-                return None
-            raise RecipeError(f"{where}: needs a value")
-        k = opt.kind
-        if isinstance(k, type) and issubclass(k, Enum):
-            allowed = [e.value for e in k]
-            if value not in allowed:
-                raise RecipeError(f"{where}: expected one of {', '.join(allowed)} (got {value!r})")
-            return value
-        if k is bool:
-            if isinstance(value, bool):
-                return value
-            raise RecipeError(f"{where}: expected true or false (got {value!r})")
-        if k is int:
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-            raise RecipeError(f"{where}: expected a whole number (got {value!r})")
-        if k is float:
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-            raise RecipeError(f"{where}: expected a number (got {value!r})")
-        if k is list:
-            items = [value] if isinstance(value, str) else value
-            if isinstance(items, list) and all(isinstance(v, str) for v in items):
-                return list(items)
-            raise RecipeError(f"{where}: expected a string or a list of strings (got {value!r})")
-        if k is str:
-            if isinstance(value, str):
-                return value
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return str(value)  # group-size: 64, request-rate: 2.5
-            if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-                return ",".join(map(str, value))  # prompt-lens: [128, 512]
-            if isinstance(value, _Map) and value and all(isinstance(v, (int, float)) for v in value.values()):
-                return ",".join(f"{a}={b}" for a, b in value.items())  # slo: {ttft_ms: 500}
-            raise RecipeError(f"{where}: expected a string (got {value!r})")
-        raise RecipeError(f"{where}: unsupported option type {k!r}")  # pragma: no cover - a new CLI option type
+    def coerce(self, body: "_Map", key: str, option: Option, label: str):
+        """The value of `key` as the stage's option takes it; the error names file, line and key."""
+        try:
+            return option.check(_as_given(body[key], option))
+        except OptionError as e:
+            raise RecipeError(f"{self.path}:{body.lines[key]}: {label}: {key.replace('_', '-')}: {e.problem}") from None
 
 
 class _Map(dict):

@@ -62,7 +62,7 @@ def forward_working_set(model_dir: Path, nsamples: int, seqlen: int, batch_size:
     activations any layer-by-layer method needs just to run the layer."""
     import torch
 
-    from llmopt.stages.layerwise import _forward_all, capture_inputs, decoder_layers
+    from llmopt.stages.layerwise import capture_inputs, decoder_layers, forward_layer
     from llmopt.stages.model_io import load_model_dir
 
     model = load_model_dir(model_dir)
@@ -71,7 +71,7 @@ def forward_working_set(model_dir: Path, nsamples: int, seqlen: int, batch_size:
     sampler = PeakSampler()
     base = rss_anon()
     sampler.start()
-    _forward_all(decoder_layers(model)[0], batches, "cpu", keep=True)
+    forward_layer(decoder_layers(model)[0], batches, "cpu", keep=True)
     sampler.running = False
     sampler.join()
     return sampler.peak - base
@@ -94,7 +94,7 @@ def main():
     stored = 2 * args.nsamples * args.seqlen * args.hidden * 4  # every window's layer inputs + outputs, fp32
     working = forward_working_set(work / "model", args.nsamples, args.seqlen, args.batch_size)
     activation_bytes = stored + working
-    config = QuantizeConfig(method="gptq", group_size="64", eval_windows=0, batch_size=args.batch_size,
+    config = QuantizeConfig(method="gptq", group_size=64, eval_windows=0, batch_size=args.batch_size,
                             calib=CalibConfig("wikitext2-valid", args.nsamples, args.seqlen))
     sampler = PeakSampler()
     base = rss_anon()

@@ -51,6 +51,11 @@ def content_hash(files: dict[str, dict]) -> str:
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
+def safetensors_bytes(directory: Path) -> int:
+    """Bytes of the safetensors files directly in `directory`: a model's weights on disk."""
+    return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors"))
+
+
 def is_artifact(path: Path) -> bool:
     return Path(path).is_dir() and (Path(path) / MANIFEST).is_file()
 

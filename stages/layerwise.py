@@ -4,13 +4,19 @@ Calibration windows run through the embedding once; then, decoder layer by decod
 layer's linear inputs are observed (forward hooks), the method rewrites the layer's weights, and
 the already-rewritten layer produces the next layer's inputs. Only one layer (and the activations)
 sits on the compute device at a time: peak memory is about one layer plus activations.
+
+Also what both stages need to pick their Linears (names, --ignore patterns) and to run GPTQ-style
+column loops (`one_thread`).
 """
 from __future__ import annotations
 
 import ctypes
+import fnmatch
+import re
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 from torch import nn
@@ -51,6 +57,38 @@ def decoder_layers(model) -> nn.ModuleList:
     return layers
 
 
+def linear_names(model) -> list[str]:
+    """The full names of every nn.Linear in the model, in module order."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def name_matches(name: str, pattern: str) -> bool:
+    """Whether a module's full name matches an --ignore pattern: the name, a dotted suffix of it
+    (`lm_head`, `mlp.down_proj`), a glob, or `re:` and a regular expression searched in it."""
+    if pattern.startswith("re:"):
+        return re.search(pattern[3:], name) is not None
+    return fnmatch.fnmatchcase(name, pattern) or name == pattern or name.endswith("." + pattern)
+
+
+def check_patterns(names: list[str], patterns: Iterable[str]) -> None:
+    """Refuse an --ignore pattern that matches none of `names` (a typo would silently ignore nothing)."""
+    for pattern in patterns:
+        if not any(name_matches(n, pattern) for n in names):
+            raise ConfigError(f"--ignore {pattern} matches no Linear layer (e.g. {names[0]}, {names[-1]})")
+
+
+@contextmanager
+def one_thread():
+    """Torch on one thread inside the block. GPTQ's and SparseGPT's column loops are thousands of
+    tiny ops: threads only add synchronisation (10x slower on a busy 2-core machine, measured)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 def _to(obj, device):
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
@@ -86,7 +124,9 @@ def capture_inputs(model, windows: torch.Tensor, batch_size: int) -> list[tuple[
 
 
 @torch.inference_mode()
-def _forward_all(layer, batches, device, keep: bool):
+def forward_layer(layer, batches: list[tuple[torch.Tensor, dict]], device, keep: bool) -> list:
+    """Run one decoder layer over every captured batch (hidden [b, S, H], kwargs); with `keep`, its
+    outputs as the next layer's batches (on the inputs' device), else []."""
     outs = []
     for hidden, kwargs in batches:
         out = layer(_to(hidden, device), **_to(kwargs, device))
@@ -105,17 +145,17 @@ def run_layerwise(model, windows: torch.Tensor, method: LayerMethod, device: str
     for index, layer in enumerate(layers):
         start = time.perf_counter()
         layer.to(device)
-        handles = [layer.get_submodule(name).register_forward_pre_hook(_observer(cb))
+        handles = [layer.get_submodule(name).register_forward_pre_hook(input_observer(cb))
                    for name, cb in method.observers(index, layer).items()]
         try:
-            _forward_all(layer, batches, device, keep=False)
+            forward_layer(layer, batches, device, keep=False)
         finally:
             for h in handles:
                 h.remove()
         with torch.no_grad():
             stats = method.process(index, layer)
         if index + 1 < len(layers):  # the last layer's outputs feed nothing
-            batches = _forward_all(layer, batches, device, keep=True)
+            batches = forward_layer(layer, batches, device, keep=True)
         layer.to("cpu")
         if hasattr(method, "finish"):
             method.finish(index, layer)
@@ -137,7 +177,8 @@ def _return_freed_memory() -> None:
         return
 
 
-def _observer(callback):
+def input_observer(callback: Callable[[torch.Tensor], None]):
+    """A forward pre-hook that hands a module's input [B, S, in] (detached) to `callback`."""
     def hook(module, args):
         callback(args[0].detach())
     return hook

@@ -143,6 +143,16 @@ def _load_bnb(directory: Path):
     return AutoModelForCausalLM.from_pretrained(directory, device_map="cpu").eval()
 
 
+def load_gguf(path: Path):
+    """(model, tokenizer) of a GGUF file, dequantized to float32 by transformers (tens of seconds)."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model.hf_quantizer = None  # the GGUF weights are dequantized now; nothing is left to serialize
+    return model.eval(), tokenizer
+
+
 def load_tokenizer(directory: Path, gguf_file: str | None = None):
     from transformers import AutoTokenizer
 
@@ -161,3 +171,12 @@ def count_parameters(model) -> int:
             seen.add(p.data_ptr())
             total += p.numel()
     return total
+
+
+def model_info(model) -> dict:
+    """The manifest's facts about a model: architecture, parameters, dtype, layers, sizes."""
+    cfg = model.config
+    return {"architecture": (cfg.architectures or [type(model).__name__])[0], "model_type": cfg.model_type,
+            "num_parameters": count_parameters(model), "dtype": DTYPE_NAMES.get(next(model.parameters()).dtype),
+            "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size}

@@ -2,7 +2,8 @@
 
 GGUF files (and so the built-in aliases) are dequantized by transformers on load, which takes tens of
 seconds; the first load writes the result as an `import` artifact in the cache and later loads read
-that artifact (memory-mapped, well under a second).
+that artifact (memory-mapped, well under a second). `write_import` writes that artifact, for the cache
+and for the import stage (stages/importer.py) alike.
 """
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .artifact import Artifact, is_artifact, sha256_file
+from .artifact import Artifact, ArtifactWriter, is_artifact, safetensors_bytes, sha256_file
 from .errors import ArtifactError, SourceError
 
 GGUF_MAGIC = b"GGUF"
+SHARD_BYTES = 2 << 30  # an import's safetensors files hold up to this many bytes each
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,11 @@ def _check_gguf(path: Path) -> None:
             raise SourceError(f"{path}: not a GGUF file (bad magic bytes); corrupted or wrong file")
 
 
-def source_record(source: Source) -> dict:
-    """What the manifest records as the root of the lineage."""
+def source_record(source: Source, artifact: Artifact | None = None) -> dict:
+    """What the manifest of anything made from `source` records as the root of its lineage. Given the
+    artifact behind the source (itself, or a GGUF's cached import), its record is reused (no rehash)."""
+    if artifact is not None:
+        return artifact.manifest["source"]
     rec = source.describe()
     if source.kind in ("alias", "gguf"):
         rec["sha256"] = sha256_file(source.path)
@@ -115,9 +120,28 @@ def as_artifact(source: Source, progress=None) -> Artifact | None:
             return Artifact.open(cached)
         except ArtifactError:
             pass  # a damaged cache entry is rebuilt, not fatal
-    from .importer import import_source
+    from .model_io import load_gguf
 
-    return import_source(source, cached, force=True, progress=progress, use_cache=False)
+    if progress:
+        progress(f"loading {source.ref}")
+    model, tokenizer = load_gguf(source.path)
+    return write_import(model, tokenizer, cached, source, force=True, progress=progress)
+
+
+def write_import(model, tokenizer, dest: Path, source: Source, parent: Artifact | None = None, force: bool = False,
+                 max_shard_bytes: int = SHARD_BYTES, progress=None) -> Artifact:
+    """Write a loaded model as an `import` artifact at `dest` (its dtype as loaded)."""
+    from .model_io import DTYPE_NAMES, model_info, save_model
+
+    stored = next(model.parameters()).dtype
+    config = {"source": source.ref, "dtype": DTYPE_NAMES.get(stored, str(stored)), "max_shard_bytes": max_shard_bytes}
+    if progress:
+        progress(f"writing {dest}")
+    with ArtifactWriter(dest, force=force) as w:
+        save_model(model, tokenizer, w.tmp, max_shard_bytes)
+        info = model_info(model)
+        return w.commit("import", config, parent, source_record(source), model=info,
+                        metrics={"size_bytes": safetensors_bytes(w.tmp), "num_parameters": info["num_parameters"]})
 
 
 def _parent(art: Artifact) -> str:

@@ -15,7 +15,7 @@ SLO_KEYS = {"ttft_ms": "ttft_ms", "tpot_ms": "tpot_ms", "e2e_ms": "e2el_ms", "e2
 class BenchConfig:
     """How to drive the server: where, which endpoint, how fast, and what counts as good."""
 
-    url: str
+    url: str | None = None  # the server's base URL; None until known (a bench stage starts its server first)
     endpoint: str = "completions"
     model: str | None = None  # None: ask GET /v1/models, else send no model field
     api_key: str | None = None
@@ -102,3 +102,4 @@ def _positive(value: str, what: str) -> float:
     if not 0 < number < math.inf:
         raise ConfigError(f"{what}={value!r}: give a positive number")
     return number
+

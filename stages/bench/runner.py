@@ -14,6 +14,7 @@ from typing import Callable
 
 import httpx
 
+from ..errors import ConfigError
 from .client import Api, RequestResult, send
 from .config import BenchConfig
 from .dataset import BenchRequest
@@ -62,6 +63,8 @@ def run_bench(config: BenchConfig, requests: list[BenchRequest], on_result: OnRe
               transport: httpx.AsyncBaseTransport | None = None, clock: Clock | None = None) -> BenchRun:
     """Send `requests` to the server in `config` and time each; returns even when interrupted."""
     config.validate()
+    if not config.url:
+        raise ConfigError("no server to bench: give --url URL of a running server, or --server SOURCE")
     clock = clock or Clock()
     run = BenchRun(planned=len(requests))
     started: list[float] = []

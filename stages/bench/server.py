@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-import httpx
-
 from ..errors import ConfigError, LlmoptError
 
 BASELINE_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "baseline_server.py"
@@ -91,6 +89,8 @@ def running_server(spec: ServerSpec, status: Callable[[str], None] = lambda mess
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, log_path: Path, name: str) -> None:
     """Poll GET /health until it answers 200; fail early, with the log's tail, if the process exits."""
+    import httpx  # here: the bench's options (ServerSpec among them) are read by `llmopt --help`
+
     deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=2.0) as client:
         while time.monotonic() < deadline:

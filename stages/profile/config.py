@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from ..errors import ConfigError
+from ..options import FromOptions, Option, Options
 
 DEVICES = ("cpu", "cuda")
 # --quick: about a minute for two sources on a 2-core CPU (the full sweep takes several).
@@ -12,7 +13,7 @@ QUICK = dict(prompt_lens=(128, 512), batch_sizes=(1, 4, 16), context_lens=(128, 
 
 
 @dataclass(frozen=True)
-class ProfileConfig:
+class ProfileConfig(FromOptions):
     """One profiling run; every source gets the same sweep so their numbers compare."""
 
     prompt_lens: tuple[int, ...] = (128, 256, 512, 1024, 2048)  # prefill: one sequence of each length
@@ -31,6 +32,13 @@ class ProfileConfig:
     plan_context: int = 2048  # planner: tokens each sequence may hold (prompt + output)
     target_tpot_ms: float | None = None  # planner: latency target for the --max-num-seqs advice
     top_ops: int = 12
+
+    @classmethod
+    def from_values(cls, values: dict) -> "ProfileConfig":
+        """The full sweep, or --quick's, with the options that were given (not None) on top."""
+        given = {k: parse_int_list(v, f"--{k.replace('_', '-')}") if k in INT_LISTS else v
+                 for k, v in values.items() if k != "quick"}
+        return cls.quick(**given) if values["quick"] else cls().with_options(**given)
 
     @classmethod
     def quick(cls, **overrides) -> "ProfileConfig":
@@ -95,3 +103,16 @@ def parse_int_list(text: str | None, option: str) -> tuple[int, ...] | None:
     if not values or min(values) < 1:
         raise ConfigError(f"{option} {text!r}: give positive whole numbers separated by commas, e.g. 1,4,16")
     return values
+
+
+DEFAULTS = ProfileConfig()
+INT_LISTS = ("prompt_lens", "batch_sizes", "context_lens")  # given as text: 128,512,2048
+# None: not given, so the full sweep's value (the config's default) or --quick's applies.
+OPTIONS = Options(
+    Option("quick", bool, False), *(Option(name, str, None, optional=True) for name in INT_LISTS),
+    *(Option(name, int, None, optional=True) for name in ("decode_context", "decode_steps", "repeats")),
+    Option("device", str, DEFAULTS.device), Option("dtype", str, None, optional=True),
+    Option("threads", int, None, optional=True), Option("memory_budget", str, None, optional=True),
+    Option("plan_context", int, None, optional=True), Option("target_tpot_ms", float, None, optional=True),
+)
+ProfileConfig.OPTIONS = OPTIONS

@@ -1,10 +1,10 @@
-"""PruneConfig: the typed, validated options of `llmopt prune`."""
+"""PruneConfig: the typed, validated options of `llmopt prune`, with their defaults (the only ones)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-
 from ..calib import CalibConfig
 from ..errors import ConfigError
+from ..options import FromOptions, Option, Options, dtype_option
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
 STRUCTURED = ("mlp", "layers")
@@ -25,7 +25,9 @@ def parse_pattern(pattern: str) -> tuple[int, int] | None:
 
 
 @dataclass(frozen=True)
-class PruneConfig:
+class PruneConfig(FromOptions):
+    """One pruning: zeros (method, sparsity or N:M) or structured removal, calibration, the before/after check."""
+
     method: str | None = None  # magnitude | wanda | sparsegpt (default wanda); None with --structured
     sparsity: float | None = None  # None: 0.5, or what an N:M pattern implies
     pattern: str = "unstructured"
@@ -36,8 +38,16 @@ class PruneConfig:
     calib: CalibConfig = field(default_factory=CalibConfig)
     damp: float = 0.01
     device: str = "cpu"
+    dtype: str = "auto"  # the weights' dtype while pruning (auto keeps the source's)
     batch_size: int = 8
     eval_windows: int = 4
+
+    @classmethod
+    def from_values(cls, o: dict) -> "PruneConfig":
+        """The config for every option's value (see `OPTIONS`: the command line's names)."""
+        return cls(method=o["method"], sparsity=o["sparsity"], pattern=o["pattern"], structured=o["structured"],
+                   ratio=o["ratio"], drop=o["drop"], ignore=tuple(o["ignore"] or ()), calib=CalibConfig.from_values(o),
+                   damp=o["damp"], device=o["device"], dtype=o["dtype"], eval_windows=o["eval_windows"])
 
     def validate(self) -> None:
         if self.structured is None:
@@ -99,7 +109,9 @@ class PruneConfig:
         return self.method_name != "magnitude"
 
     def to_dict(self) -> dict:
+        """The manifest's record: what was done (the dtype is left out: the manifest's model.dtype says it)."""
         data = asdict(self)
+        data.pop("dtype")
         data["ignore"] = list(self.ignore)
         data["method"] = self.method_name
         if self.structured is None:  # record what was done, not which options were left out
@@ -110,3 +122,14 @@ class PruneConfig:
         if not self.needs_calibration:
             data.pop("calib")
         return data
+
+
+DEFAULTS = PruneConfig()
+OPTIONS = Options(
+    Option("method", str, DEFAULTS.method, optional=True), Option("sparsity", float, DEFAULTS.sparsity, optional=True),
+    Option("pattern", str, DEFAULTS.pattern), Option("structured", str, DEFAULTS.structured, optional=True),
+    Option("ratio", float, DEFAULTS.ratio, optional=True), Option("drop", int, DEFAULTS.drop, optional=True),
+    Option("ignore", list, None, optional=True), *CalibConfig.options(), Option("damp", float, DEFAULTS.damp),
+    Option("device", str, DEFAULTS.device), dtype_option(DEFAULTS.dtype), Option("eval_windows", int, DEFAULTS.eval_windows),
+)
+PruneConfig.OPTIONS = OPTIONS

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..quantize.gptq import _one_thread, inverse_hessian_factor
+from ..layerwise import one_thread
+from ..quantize.gptq import inverse_hessian_factor
 from .masks import nm_mask, unstructured_mask
 
 
@@ -37,7 +38,7 @@ def sparsegpt_prune(w: Tensor, hessian: Tensor, sparsity: float, nm: tuple[int, 
     block = max(m, block_size // m * m)  # N:M groups never straddle two blocks
     mask = torch.zeros(W.shape, dtype=torch.bool, device=W.device)
     loss = 0.0
-    with _one_thread():
+    with one_thread():
         for i1 in range(0, W.shape[1], block):
             i2 = min(i1 + block, W.shape[1])
             loss += _prune_block(W, U, mask, i1, i2, sparsity, nm)

@@ -2,15 +2,13 @@
 layer-by-layer driver (or, for layer dropping, one measuring pass) and describe what was done."""
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
 from ..calib import calibration_windows
 from ..errors import ConfigError
+from ..layerwise import check_patterns, decoder_layers, linear_names, name_matches, run_layerwise
 from ..progress import StageHooks
-from ..layerwise import decoder_layers, run_layerwise
-from ..quantize.stage import _matches, linear_names
 from .config import PruneConfig
 from .methods import LayerPruner, MlpChannelPruner
 from .structured import angular_distances, channels_to_keep, drop_layers, intermediate_size, layers_to_drop
@@ -27,15 +25,12 @@ def check_dense(model) -> None:
 def plan_targets(model, config: PruneConfig) -> dict[int, list[str]]:
     """{layer index: [Linear names inside the layer]}: every decoder-layer Linear not ignored.
     Embeddings and lm_head sit outside the layers and are never pruned."""
-    names = linear_names(model)
-    for pattern in config.ignore:  # the same pattern language as quantize --ignore
-        if not any(_matches(n, pattern) for n in names):
-            raise ConfigError(f"--ignore {pattern} matches no Linear layer (e.g. {names[0]}, {names[-1]})")
+    check_patterns(linear_names(model), config.ignore)  # the same pattern language as quantize --ignore
     targets: dict[int, list[str]] = {}
     for index, layer in enumerate(decoder_layers(model)):
         for name, module in layer.named_modules():
             full = f"model.layers.{index}.{name}"
-            if isinstance(module, nn.Linear) and not any(_matches(full, p) for p in config.ignore):
+            if isinstance(module, nn.Linear) and not any(name_matches(full, p) for p in config.ignore):
                 _check_groups(full, module, config)
                 targets.setdefault(index, []).append(name)
     return targets

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import torch
 
-from ..artifact import ArtifactWriter
+from ..artifact import ArtifactWriter, safetensors_bytes
 from ..errors import ConfigError
-from ..importer import model_info
+from ..eval.before_after import perplexity, reusable_artifact, store_before_after
+from ..model_io import model_info
+from ..source import source_record
 
 
 def bnb_config(scheme: str):
@@ -24,12 +26,11 @@ def run_bnb(loaded, dest: Path, config, force: bool, hooks):
     """Re-load the source with a bitsandbytes quantization_config and save the result."""
     from transformers import AutoModelForCausalLM
 
-    from .run import _evaluate_written, _eval, _source, _weights_bytes
-
     if loaded.artifact is None and loaded.source.kind != "hf":
         raise ConfigError("bnb needs a Hugging Face directory or an artifact as source")
     directory = loaded.artifact.path if loaded.artifact else loaded.source.path
-    base = _eval(loaded.model, loaded.tokenizer, config, hooks, "base", loaded.artifact)
+    base = perplexity(loaded.model, loaded.tokenizer, config.eval_windows, hooks, "base",
+                      reusable_artifact(loaded, config.dtype))
     hooks.status(f"bitsandbytes {config.scheme} on {config.device}")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*MatMul8bitLt.*")
@@ -39,7 +40,7 @@ def run_bnb(loaded, dest: Path, config, force: bool, hooks):
         model.save_pretrained(w.tmp)
         loaded.tokenizer.save_pretrained(w.tmp)
         info = model_info(loaded.model)
-        art = w.commit("quantize", config.to_dict(), loaded.artifact, _source(loaded), model=info,
-                       metrics={"size_bytes": _weights_bytes(w.tmp)})
-    _evaluate_written(art, config, hooks, base)
+        art = w.commit("quantize", config.to_dict(), loaded.artifact, source_record(loaded.source, loaded.artifact),
+                       model=info, metrics={"size_bytes": safetensors_bytes(w.tmp)})
+    store_before_after(art, config.eval_windows, hooks, base, "quantized")
     return art

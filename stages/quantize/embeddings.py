@@ -44,7 +44,7 @@ def quantize_embedding(model, mode: str) -> QuantizedEmbedding | None:
         raise ConfigError(f"--embeddings {mode}: {type(model).__name__} has no {EMBED}") from None
     weight = embedding.weight
     w = weight.data.float()  # [vocab, hidden]
-    args = QuantArgs(bits=8, group_size=resolve_group_size(w.shape[1], "auto", layer=EMBED), symmetric=True,
+    args = QuantArgs(bits=8, group_size=resolve_group_size(w.shape[1], None, layer=EMBED), symmetric=True,
                      scale_dtype=weight.dtype)
     scale, _ = compute_qparams(w, args)  # [vocab, hidden/g]
     # Symmetric: an exact zero (pruned) rounds to code 0, which dequantizes to exactly 0 again.

@@ -8,13 +8,13 @@ updates in blocks, optional act-order with static groups (so the stored layout n
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from ..errors import ConfigError
+from ..layerwise import one_thread
 from .rtn import QuantArgs, compute_qparams, dequantize, group_width, quantize
 
 
@@ -119,7 +119,7 @@ def gptq_quantize(w: Tensor, hessian: Tensor, args: QuantArgs, damp: float = 0.0
     U = inverse_hessian_factor(H, damp)
     order = perm.tolist() if perm is not None else range(cols)
     group_of = [j // g for j in order]  # loop position -> original group (static qparams)
-    with _one_thread():
+    with one_thread():
         q, losses, qparams = _quantize_blocks(W, U, args, g, block_size, static, group_of, keep, observer)
     if perm is not None:
         inv = torch.argsort(perm)
@@ -127,18 +127,6 @@ def gptq_quantize(w: Tensor, hessian: Tensor, args: QuantArgs, damp: float = 0.0
     scale, zero = static if static is not None else qparams
     deq = dequantize(q, scale, zero, args)
     return GPTQResult(q=q, scale=scale, zero_point=zero, dequantized=deq, error=float(losses))
-
-
-@contextmanager
-def _one_thread():
-    """The column loop is thousands of tiny ops: threads only add synchronisation (10x slower on a
-    busy 2-core machine, measured), so it runs on one."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def inverse_hessian_factor(hessian: Tensor, damp: float, method: str = "GPTQ") -> Tensor:
@@ -158,7 +146,7 @@ def inverse_hessian_factor(hessian: Tensor, damp: float, method: str = "GPTQ") -
 
 
 def _quantize_blocks(W: Tensor, U: Tensor, args: QuantArgs, g: int, block_size: int,
-                     static: tuple | None, group_of: list[int], keep: Tensor | None, observer: str = "minmax"):
+                     static: tuple | None, group_of: list[int], keep: Tensor | None, observer: str):
     """The GPTQ loop over blocks of columns; W is updated in place. Returns (q, loss, qparams)."""
     out, cols = W.shape
     if block_size < 1:

@@ -104,7 +104,10 @@ def _keep_zeros(q, zp, mask, args):
 
 
 class GPTQ(LayerQuantizer):
-    def __init__(self, targets, damp: float, act_order: bool, sink_share: float = 0.0, observer: str = "minmax"):
+    """GPTQ per Linear, on Hessians shared by the Linears that read one input. The settings come from
+    QuantizeConfig (damp, act_order, sink_share, observer), which holds their defaults."""
+
+    def __init__(self, targets, damp: float, act_order: bool, sink_share: float, observer: str):
         super().__init__(targets)
         self.damp, self.act_order, self.sink_share, self.observer = damp, act_order, sink_share, observer
         self.hessians: dict[str, HessianAccumulator] = {}
@@ -257,7 +260,7 @@ class AWQ(_Smoothing):
             hooks.setdefault("", self._note_norms)
         return hooks
 
-    def __init__(self, targets, clip: bool = True, sink_share: float = 0.0):
+    def __init__(self, targets, sink_share: float, clip: bool = True):
         super().__init__(targets)
         self.clip, self.sink_share = clip, sink_share
 

@@ -48,22 +48,17 @@ class QuantArgs:
         return (1 << (self.bits - 1)) - 1
 
 
-def resolve_group_size(in_features: int, requested: int | str, layer: str = "") -> int:
-    """The group size for a layer: "auto" picks 128, else 64, else 32 where it divides, else -1."""
+def resolve_group_size(in_features: int, requested: int | None, layer: str = "") -> int:
+    """The group size for a layer: None (auto) picks 128, else 64, else 32 where it divides, else -1;
+    a requested size (checked by QuantizeConfig) must divide the layer's input size."""
     where = f"layer {layer}" if layer else "the layer"
     valid = [g for g in AUTO_GROUP_SIZES if in_features % g == 0] + [-1]
-    if requested == "auto":
+    if requested is None:
         return valid[0]
-    try:
-        size = int(requested)
-    except (TypeError, ValueError):
-        raise ConfigError(f"group size must be auto, -1 or a positive integer (got {requested!r})") from None
-    if size == -1:
-        return -1
-    if size < 1 or in_features % size:
-        raise ConfigError(f"group size {size} does not divide the input size {in_features} of {where}; "
+    if requested != -1 and in_features % requested:
+        raise ConfigError(f"group size {requested} does not divide the input size {in_features} of {where}; "
                           f"valid sizes: {', '.join(map(str, valid))} (or auto)")
-    return size
+    return requested
 
 
 def group_width(in_features: int, args: QuantArgs) -> int:

@@ -1,16 +1,12 @@
 """`llmopt quantize`: source -> quantized artifact in the compressed-tensors layout."""
 from __future__ import annotations
 
-import fnmatch
-import re
-
 import torch
-from torch import nn
 
 from ..calib import calibration_windows
 from ..errors import ConfigError
+from ..layerwise import check_patterns, decoder_layers, linear_names, name_matches, run_layerwise
 from ..progress import StageHooks
-from ..layerwise import decoder_layers, run_layerwise
 from .config import QuantizeConfig
 from .embeddings import EMBED, QuantizedEmbedding
 from .methods import AWQ, GPTQ, LayerQuantizer, SmoothQuant
@@ -22,41 +18,25 @@ ALWAYS_IGNORED = ("lm_head",)
 QuantizeHooks = StageHooks
 
 
-def linear_names(model) -> list[str]:
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-
-
-def _matches(name: str, pattern: str) -> bool:
-    if pattern.startswith("re:"):
-        return re.search(pattern[3:], name) is not None
-    return fnmatch.fnmatchcase(name, pattern) or name == pattern or name.endswith("." + pattern)
-
-
 def plan_targets(model, config: QuantizeConfig) -> dict[int, dict[str, QuantArgs]]:
     """{layer index: {name inside layer: QuantArgs}}; refuses ignore patterns that match nothing."""
     names = linear_names(model)
-    for pattern in config.ignore:
-        if not any(_matches(n, pattern) for n in names):
-            raise ConfigError(f"--ignore {pattern} matches no Linear layer (e.g. {names[0]}, {names[-1]})")
+    check_patterns(names, config.ignore)
     patterns = ALWAYS_IGNORED + tuple(config.ignore)
     prefixes = {f"model.layers.{i}.": i for i in range(len(decoder_layers(model)))}
     targets: dict[int, dict[str, QuantArgs]] = {}
     for name in names:
-        if any(_matches(name, p) for p in patterns):
+        if any(name_matches(name, p) for p in patterns):
             continue
         index = next((i for pre, i in prefixes.items() if name.startswith(pre)), None)
         if index is None:
             raise ConfigError(f"{name}: Linear outside the decoder layers; add --ignore {name}")
         linear = model.get_submodule(name)
-        gs = -1 if config.scheme == "W8A8" else resolve_group_size(linear.in_features, _requested(config), layer=name)
+        gs = -1 if config.scheme == "W8A8" else resolve_group_size(linear.in_features, config.group_size, layer=name)
         args = QuantArgs(bits=config.weight_bits, group_size=gs, symmetric=config.symmetric,
                          scale_dtype=linear.weight.dtype)
         targets.setdefault(index, {})[name[len(f"model.layers.{index}."):]] = args
     return targets
-
-
-def _requested(config: QuantizeConfig):
-    return config.group_size if config.group_size == "auto" else int(config.group_size)
 
 
 def check_not_quantized(model) -> None:
@@ -70,7 +50,7 @@ def make_method(config: QuantizeConfig, targets, sink=None) -> LayerQuantizer:
     if config.method == "gptq":
         method = GPTQ(targets, config.damp, config.act_order, config.sink_share, config.observer)
     elif config.method == "awq":
-        method = AWQ(targets, sink_share=config.sink_share)
+        method = AWQ(targets, config.sink_share)
     elif config.method == "smoothquant":
         method = SmoothQuant(targets, config.smoothing_alpha)
     else:

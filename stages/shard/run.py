@@ -11,7 +11,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ..artifact import Artifact, ArtifactWriter, check_destination, rank_dir
+from ..artifact import Artifact, ArtifactWriter, check_destination, rank_dir, safetensors_bytes
 from ..compressed import LinearScheme, parse_schemes
 from ..errors import ArtifactError, ConfigError
 from ..safetensors_io import ShardWriter, load_dir, weight_files
@@ -47,7 +47,7 @@ def run_shard(source_ref: str, dest: Path, config: ShardConfig, force: bool = Fa
     with ArtifactWriter(dest, force=force) as w:
         _copy_model_files(directory, w.tmp)
         rank_bytes = [_write_rank(w.tmp, state, schemes, plan, r, model_config, hooks) for r in range(config.tp)]
-        total = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+        total = safetensors_bytes(directory)
         model = dict(parent.manifest.get("model", {})) if parent else {}
         model["tensor_parallel"] = plan
         metrics = {"rank_bytes": rank_bytes, "source_bytes": total, "size_bytes": sum(rank_bytes),
@@ -56,8 +56,7 @@ def run_shard(source_ref: str, dest: Path, config: ShardConfig, force: bool = Fa
         for key in ("perplexity", "num_parameters"):  # the model is unchanged: its quality carries over
             if parent and key in parent.manifest.get("metrics", {}):
                 metrics[key] = parent.manifest["metrics"][key]
-        record = parent.manifest["source"] if parent else source_record(source)
-        return w.commit("shard", config.to_dict(), parent, record, model=model, metrics=metrics)
+        return w.commit("shard", config.to_dict(), parent, source_record(source, parent), model=model, metrics=metrics)
 
 
 def _read_config(directory: Path) -> dict:
@@ -131,6 +130,6 @@ def _write_rank(root: Path, state: dict, schemes: dict, plan: dict, rank: int, c
         tail.update(slicer.vocab("lm_head"))
     add(tail, flush=True)
     writer.close()
-    nbytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    nbytes = safetensors_bytes(folder)
     hooks.status(f"rank {rank}: {nbytes / 2**20:.1f} MiB")
     return nbytes

@@ -115,7 +115,7 @@ def test_w4a16_artifact_serves_fluent_text(smollm_cache, tmp_path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        path = run_quantize("smollm2-135m", tmp_path / "w4", QuantizeConfig(method="rtn", group_size="64",
+        path = run_quantize("smollm2-135m", tmp_path / "w4", QuantizeConfig(method="rtn", group_size=64,
                                                                              eval_windows=0)).path
     engine = build_engine(str(path), EngineConfig(block_size=16, num_blocks=64))
     ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],

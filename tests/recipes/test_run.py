@@ -111,9 +111,9 @@ def test_an_interrupted_run_resumes_at_the_unfinished_stage(tiny_hf, tmp_path, i
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    import llmopt.stages.evaluate as evaluate
+    import llmopt.stages.eval.run as eval_run
 
-    monkeypatch.setattr(evaluate, "evaluate", interrupted)
+    monkeypatch.setattr(eval_run, "evaluate", interrupted)
     with pytest.raises(KeyboardInterrupt):
         runner.run()
     assert set(_records(work)) == {"quantize"} and not (work / "eval").exists()

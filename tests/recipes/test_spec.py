@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 from llmopt.cli.main import main
-from llmopt.recipes.spec import BUILTIN_DIR, KINDS, RecipeError, load_recipe, options_of, parse_recipe
+from llmopt.recipes.spec import BUILTIN_DIR, KINDS, RecipeError, load_recipe, parse_recipe
+from llmopt.stages import registry
 from llmopt.stages.quantize.config import QuantizeConfig
 
 GOOD = """\
@@ -24,24 +25,28 @@ def parse(text: str):
     return parse_recipe(text, Path("r.yaml"))
 
 
-def test_a_recipe_becomes_the_subcommands_configs():
+def test_a_recipe_becomes_the_stages_configs():
     good = GOOD.replace(", prompt-lens: 3", "")
     recipe = parse(good)
     assert [s.name for s in recipe.stages] == ["quantize", "shard", "eval", "bench"]
     q = recipe.stages[0].built
-    assert isinstance(q, QuantizeConfig) and q.group_size == "64" and q.calib.nsamples == 16 and q.method == "gptq"
+    assert isinstance(q, QuantizeConfig) and q.group_size == 64 and q.calib.nsamples == 16 and q.method == "gptq"
     assert recipe.stages[1].inputs == ("quantize",) and recipe.stages[1].built.tp == 2
     assert recipe.stages[2].inputs == ("source", "quantize") and recipe.stages[2].built.max_windows == 2
-    bench_config, data, bounds = recipe.stages[3].built
-    assert recipe.stages[3].inputs == ("shard",) and bench_config.slo == {"ttft_ms": 500.0}
+    bench = recipe.stages[3].built
+    assert recipe.stages[3].inputs == ("shard",) and bench.load.slo == {"ttft_ms": 500.0}
     assert recipe.stages[0].given == {"method": "gptq", "group_size": "64", "nsamples": 16}
 
 
-def test_options_are_read_from_the_subcommands():
+def test_options_are_the_stages_own():
+    def options_of(kind):
+        return registry.stage(kind).options
+
     assert {"method", "scheme", "group_size", "nsamples", "eval_windows"} <= set(options_of("quantize"))
     assert "output" not in options_of("quantize") and "json" not in options_of("eval")
     assert options_of("quantize")["nsamples"].default == 128
     assert set(options_of("shard")) == {"tp"}
+    assert KINDS == registry.KINDS
     for kind in KINDS:
         assert options_of(kind)
 

@@ -79,12 +79,12 @@ def test_failed_write_leaves_nothing(tmp_path):
 
 
 def test_failing_stage_leaves_no_artifact(tiny_hf, tmp_path, monkeypatch):
-    import llmopt.stages.importer as importer
+    import llmopt.stages.model_io as model_io
 
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(importer, "save_model", boom)
+    monkeypatch.setattr(model_io, "save_model", boom)
     with pytest.raises(OSError):
         import_source(resolve(str(tiny_hf[0])), tmp_path / "x")
     assert list(tmp_path.iterdir()) == []

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from llmopt.stages.errors import ConfigError, DataError
-from llmopt.stages.evaluate import EvalConfig, build_text, evaluate, load_rows, tokenize_windows
+from llmopt.stages.eval.config import EvalConfig
+from llmopt.stages.eval.perplexity import build_text, evaluate, load_rows, tokenize_windows
 from tests.helpers import CORPUS, make_model
 
 

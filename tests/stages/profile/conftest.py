@@ -28,7 +28,7 @@ def tiny_sources(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         art = run_quantize(str(root / "base"), root / "w4",
-                           QuantizeConfig(method="rtn", scheme="W4A16", group_size="32", eval_windows=0))
+                           QuantizeConfig(method="rtn", scheme="W4A16", group_size=32, eval_windows=0))
     Artifact.open(art.path).update_metrics("perplexity_before_after", PPL)
     return str(root / "base"), str(art.path)
 

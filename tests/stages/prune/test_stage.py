@@ -104,7 +104,7 @@ def test_pruned_then_gptq_keeps_every_zero(tiny_hf, tmp_path, calib_text):
 
     pruned = run_prune(str(tiny_hf[0]), tmp_path / "p", _config(calib_text, method="sparsegpt", pattern="2:4"))
     quant = run_quantize(str(pruned.path), tmp_path / "q", QuantizeConfig(
-        method="gptq", scheme="W4A16", group_size="16", calib=CalibConfig(str(calib_text), nsamples=4, seqlen=32),
+        method="gptq", scheme="W4A16", group_size=16, calib=CalibConfig(str(calib_text), nsamples=4, seqlen=32),
         eval_windows=0, batch_size=2))
     assert [e["stage"] for e in quant.manifest["lineage"]] == ["prune", "quantize"]
     model = load_model_dir(quant.path)

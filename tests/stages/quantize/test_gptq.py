@@ -154,7 +154,7 @@ def test_mse_observer_lowers_gptq_output_error(args):
 def test_linears_reading_one_input_share_one_hessian():
     # q/k/v read one normed input and gate/up another: one accumulator each, fed by one hook, equal to
     # what separate accumulators over the same inputs hold.
-    from llmopt.stages.layerwise import _observer
+    from llmopt.stages.layerwise import input_observer
     from llmopt.stages.quantize.methods import GPTQ
     from tests.helpers import make_model
 
@@ -162,15 +162,16 @@ def test_linears_reading_one_input_share_one_hessian():
     layer = model.model.layers[0]
     names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-    method = GPTQ({0: {n: QuantArgs(4, 16, True) for n in names}}, damp=0.01, act_order=False)
+    method = GPTQ({0: {n: QuantArgs(4, 16, True) for n in names}}, damp=0.01, act_order=False, sink_share=0.0,
+                  observer="minmax")
     hooks = method.observers(0, layer)
     assert set(hooks) == {"", "self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"}
     h = method.hessians
     assert h["self_attn.q_proj"] is h["self_attn.k_proj"] is h["self_attn.v_proj"]
     assert h["mlp.gate_proj"] is h["mlp.up_proj"] and h["mlp.down_proj"] is not h["mlp.up_proj"]
     seen = {n: HessianAccumulator(layer.get_submodule(n).in_features) for n in ("self_attn.k_proj", "mlp.up_proj")}
-    handles = [layer.get_submodule(n).register_forward_pre_hook(_observer(cb)) for n, cb in hooks.items() if n]
-    handles += [layer.get_submodule(n).register_forward_pre_hook(_observer(acc.add)) for n, acc in seen.items()]
+    handles = [layer.get_submodule(n).register_forward_pre_hook(input_observer(cb)) for n, cb in hooks.items() if n]
+    handles += [layer.get_submodule(n).register_forward_pre_hook(input_observer(acc.add)) for n, acc in seen.items()]
     with torch.no_grad():
         model(input_ids=torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(3)))
     for handle in handles:

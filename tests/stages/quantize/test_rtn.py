@@ -82,16 +82,29 @@ def test_bf16_weights_quantize_like_float32():
 
 
 def test_resolve_group_size():
-    assert resolve_group_size(1536, "auto") == 128
-    assert resolve_group_size(576, "auto") == 64
-    assert resolve_group_size(96, "auto") == 32
-    assert resolve_group_size(100, "auto") == -1
+    assert resolve_group_size(1536, None) == 128  # None: auto
+    assert resolve_group_size(576, None) == 64
+    assert resolve_group_size(96, None) == 32
+    assert resolve_group_size(100, None) == -1
     assert resolve_group_size(576, 32) == 32
-    assert resolve_group_size(576, "-1") == -1
+    assert resolve_group_size(576, -1) == -1
     with pytest.raises(ConfigError, match=r"576 of layer q_proj; valid sizes: 64, 32, -1"):
         resolve_group_size(576, 128, layer="q_proj")
-    with pytest.raises(ConfigError):
-        resolve_group_size(576, "big")
+
+
+def test_group_size_is_parsed_and_checked_once():
+    from llmopt.stages.quantize.config import check_group_size, group_size_text, parse_group_size
+
+    assert [parse_group_size(t) for t in ("auto", None, "-1", "64", 64)] == [None, None, -1, 64, 64]
+    with pytest.raises(ConfigError, match="auto, -1 or a positive integer"):
+        parse_group_size("big")
+    for ok in (None, -1, 2, 32, 128):
+        check_group_size(ok)
+    for bad in (0, 1, 48, -2, "64", True):
+        with pytest.raises(ConfigError, match="power of two"):
+            check_group_size(bad)
+    # the command line's spelling; manifests written before group sizes were numbers read the same
+    assert [group_size_text(v) for v in (None, "auto", -1, "-1", 64, "64")] == ["auto", "auto", "-1", "-1", "64", "64"]
 
 
 def test_group_that_does_not_divide_is_a_config_error():

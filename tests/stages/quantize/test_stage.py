@@ -35,7 +35,7 @@ def _logits(model):
         return model(input_ids=IDS).logits
 
 
-@pytest.mark.parametrize("kw", [dict(method="rtn"), dict(method="rtn", symmetric=False, group_size="16"),
+@pytest.mark.parametrize("kw", [dict(method="rtn"), dict(method="rtn", symmetric=False, group_size=16),
                                 dict(method="gptq"), dict(method="awq"), dict(method="rtn", scheme="W8A16"),
                                 dict(method="smoothquant", scheme="W8A8")])
 def test_methods_write_loadable_compressed_artifacts(tiny_hf, tmp_path, calib_text, kw):
@@ -103,7 +103,7 @@ def test_pruned_zeros_survive_gptq(tiny_hf, tmp_path, calib_text):
     loaded.tokenizer.save_pretrained(pruned)
     for asym in (False, True):
         art = run_quantize(str(pruned), tmp_path / f"q{asym}",
-                           _config(calib_text, method="gptq", symmetric=not asym, group_size="16"))
+                           _config(calib_text, method="gptq", symmetric=not asym, group_size=16))
         model = load_model_dir(art.path)
         for name, p in model.named_parameters():
             if "layers" in name and p.dim() == 2:
@@ -112,11 +112,11 @@ def test_pruned_zeros_survive_gptq(tiny_hf, tmp_path, calib_text):
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(method="rtn", group_size="64"), "does not divide the input size 32"),
+    (dict(method="rtn", group_size=64), "does not divide the input size 32"),
     (dict(method="gptq", scheme="W8A8"), "does not make W8A8"),
     (dict(method="bnb", scheme="W4A16"), "does not make W4A16"),
     (dict(method="rtn", ignore=("no_such_layer",)), "matches no Linear"),
-    (dict(method="rtn", group_size="48"), "power of two"),
+    (dict(method="rtn", group_size=48), "power of two"),
     (dict(method="gptq", calib=CalibConfig("wikitext2")), "test split"),
 ])
 def test_bad_input_writes_nothing(tiny_hf, tmp_path, calib_text, kw, message):
@@ -158,7 +158,7 @@ def test_layerwise_gptq_matches_a_whole_model_reference(tiny_hf, calib_text):
     from llmopt.stages.source import load
     from llmopt.stages.quantize.gptq import HessianAccumulator, gptq_quantize
 
-    cfg = _config(calib_text, method="gptq", group_size="16")
+    cfg = _config(calib_text, method="gptq", group_size=16)
     ours = load(str(tiny_hf[0]))
     method, _ = quantize_model(ours.model, ours.tokenizer, cfg, QuantizeHooks())
     ref = load(str(tiny_hf[0])).model

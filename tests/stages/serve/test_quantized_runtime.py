@@ -26,12 +26,12 @@ from llmopt.stages.serve.runner import ModelRunner
 from tests.helpers import write_hf_dir
 from tests.stages.serve.runner_steps import Sequences, hf_last_logits
 
-SCHEMES = {"w4-sym": dict(scheme="W4A16", group_size="32"), "w4-asym": dict(scheme="W4A16", group_size="32",
+SCHEMES = {"w4-sym": dict(scheme="W4A16", group_size=32), "w4-asym": dict(scheme="W4A16", group_size=32,
                                                                               symmetric=False),
-           "w4-auto": dict(scheme="W4A16"), "w8-group": dict(scheme="W8A16", group_size="32"),
-           "w8-channel": dict(scheme="W8A16", group_size="-1"), "w8a8": dict(scheme="W8A8"),
-           "w4-ignore-k": dict(scheme="W4A16", group_size="32", ignore=("re:.*k_proj$",)),
-           "w4-emb8": dict(scheme="W4A16", group_size="32", embeddings="int8")}
+           "w4-auto": dict(scheme="W4A16"), "w8-group": dict(scheme="W8A16", group_size=32),
+           "w8-channel": dict(scheme="W8A16", group_size=-1), "w8a8": dict(scheme="W8A8"),
+           "w4-ignore-k": dict(scheme="W4A16", group_size=32, ignore=("re:.*k_proj$",)),
+           "w4-emb8": dict(scheme="W4A16", group_size=32, embeddings="int8")}
 BASES = {"untied": dict(hidden=64, tie=False),  # the base model with its own lm_head
          "h192": dict(hidden=192)}  # embedding groups of 64 < hidden (as SmolLM2's 576)
 TOKENS = torch.randint(1, 300, (24,), generator=torch.Generator().manual_seed(0)).tolist()

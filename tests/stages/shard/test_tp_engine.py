@@ -28,10 +28,10 @@ def models(tmp_path_factory):
     write_hf_dir(root / "base", hidden=96, heads=6, kv_heads=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run_quantize(str(root / "base"), root / "w4", QuantizeConfig(method="rtn", scheme="W4A16", group_size="16",
+        run_quantize(str(root / "base"), root / "w4", QuantizeConfig(method="rtn", scheme="W4A16", group_size=16,
                                                                       eval_windows=0))
         # int8 embedding (groups of 32) and tied lm_head: vocab-parallel on its codes
-        run_quantize(str(root / "base"), root / "w4-emb8", QuantizeConfig(method="rtn", scheme="W4A16", group_size="16",
+        run_quantize(str(root / "base"), root / "w4-emb8", QuantizeConfig(method="rtn", scheme="W4A16", group_size=16,
                                                                            eval_windows=0, embeddings="int8"))
     return root
 
@@ -86,7 +86,7 @@ def test_group_cut_refused_before_writing(models, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run_quantize(str(models / "base"), tmp_path / "g32", QuantizeConfig(method="rtn", scheme="W4A16",
-                                                                             group_size="32", eval_windows=0))
+                                                                             group_size=32, eval_windows=0))
     with pytest.raises(ConfigError, match=r"o_proj: its 96 inputs split at 32, 64, 80.*--group-size 16"):
         run_shard(str(tmp_path / "g32"), tmp_path / "g32-tp4", ShardConfig(4))
     assert not (tmp_path / "g32-tp4").exists()

@@ -15,26 +15,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .data import resolve_text
-from .errors import ConfigError, DataError
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    text: str = "wikitext2"
-    seqlen: int = 2048
-    max_windows: int | None = None
-    ref: str | None = None
-
-    def validate(self) -> None:
-        if self.seqlen < 2:
-            raise ConfigError(f"--seqlen must be at least 2 (got {self.seqlen})")
-        if self.max_windows is not None and self.max_windows < 1:
-            raise ConfigError(f"--max-windows must be at least 1 (got {self.max_windows})")
+from ..data import resolve_text
+from ..errors import DataError
+from .config import EvalConfig
 
 
 @dataclass
 class EvalResult:
+    """One model's perplexity (and KL) on one protocol, with the per-window NLLs."""
+
     perplexity: float
     mean_nll: float
     windows: int
@@ -48,6 +37,12 @@ class EvalResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def record(self) -> dict:
+        """What a manifest or a recipe's eval.json keeps: everything but the per-window NLLs."""
+        data = self.to_dict()
+        data.pop("window_nll")
+        return data
 
 
 def load_rows(path: Path) -> list[str]:
@@ -118,9 +113,3 @@ def evaluate(model, tokenizer, config: EvalConfig, ref_model=None, on_window=Non
         protocol=protocol(config, text_path, tokenizer), window_nll=nlls,
         kl_mean=None if ref_model is None else kl_sum / (len(use) * config.seqlen),
     )
-
-
-def metric_key(config: EvalConfig) -> str:
-    windows = config.max_windows or "all"
-    ref = f"/kl-vs-{Path(config.ref).name}" if config.ref else ""
-    return f"eval/{Path(config.text).name}/seqlen{config.seqlen}/windows-{windows}{ref}"

@@ -1,0 +1,138 @@
+"""How `llmopt run` looks: each stage's progress and result, the dry run's plan, the final comparison."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from rich.table import Table
+
+from .ui import err, human_bytes, layer_progress, note, out, progress_bar
+
+
+class ConsoleView:
+    """Progress on stderr: a rule per stage, the stage's own live display, its result table (stdout;
+    left out with --json, where stdout carries only the final JSON)."""
+
+    def __init__(self, show_results: bool = True):
+        self.show_results = show_results
+
+    def stage_start(self, index: int, total: int, spec, refs: list[str]) -> None:
+        err.rule(f"[bold][{index}/{total}] {spec.name}[/bold]: {command_line(spec, refs)}", align="left")
+
+    def stage_skip(self, index: int, total: int, spec, why: str) -> None:
+        err.print(f"[dim][{index}/{total}] {spec.name}: skipped ({why})[/dim]")
+
+    def stage_done(self, spec, seconds: float) -> None:
+        note(f"{spec.name} finished in {seconds:.1f} s")
+
+    def note(self, message: str) -> None:
+        note(message)
+
+    def artifact(self, spec, art) -> None:
+        if not self.show_results:
+            return
+        from . import prune_cmd, quantize_cmd, shard_cmd
+
+        render = {"quantize": quantize_cmd.render, "prune": prune_cmd.render, "shard": shard_cmd.render}[spec.kind]
+        render(art, art.manifest["metrics"])
+
+    def evaluated(self, ref: str, result) -> None:
+        if not self.show_results:
+            return
+        from .eval_cmd import render
+
+        render(ref, result)
+
+    def profiled(self, report: dict) -> None:
+        if not self.show_results:
+            return
+        from llmopt.stages.profile.tables import comparison_table
+
+        t = comparison_table(report)
+        table = Table(*t.columns, title=t.title, title_justify="left", caption=t.note or None, caption_justify="left")
+        for row in t.rows:
+            table.add_row(*row)
+        out.print(table)
+
+    def benched(self, report: dict) -> None:
+        if not self.show_results:
+            return
+        from .bench_view import render_report
+
+        render_report(report)
+
+    @contextmanager
+    def hooks(self, spec):
+        from llmopt.stages.progress import StageHooks
+
+        if spec.kind in ("eval", "profile"):  # no layers to count: one bar for windows / measurements
+            with progress_bar(spec.kind) as update:
+                yield StageHooks(status=note, window=update)
+            return
+        with layer_progress(spec.kind) as (status, on_layer, on_window):
+            yield StageHooks(status=status, layer=on_layer, window=on_window)
+
+    @contextmanager
+    def bench_progress(self, total: int):
+        from .bench_view import live_progress
+
+        with live_progress(total, False) as on_result:
+            yield on_result
+
+
+def render_plan(runner, plan) -> None:
+    table = Table(title=f"{runner.recipe.name}: plan (dry run) -> {runner.workdir}", title_justify="left")
+    for col in ("#", "stage", "command", "output", "action"):
+        table.add_column(col)
+    for i, p in enumerate(plan, 1):
+        s = p.spec
+        action = "[green]skip[/green]" if p.action == "skip" else "[yellow]run[/yellow]"
+        table.add_row(str(i), s.name, command_line(s, [runner.ref(n) for n in s.inputs]), str(runner.output(s)),
+                      f"{action} ({p.why})")
+    out.print(table)
+
+
+def command_line(spec, refs: list[str]) -> str:
+    """The stage as the equivalent command (flags as the subcommand spells them)."""
+    import shlex
+
+    parts = ["llmopt", spec.kind, *refs]
+    for key, value in spec.given.items():
+        flag = f"--{key.replace('_', '-')}"
+        if isinstance(value, bool):
+            parts += [flag] if value else []
+        elif isinstance(value, list):
+            parts += [a for v in value for a in (flag, shlex.quote(str(v)))]
+        else:
+            parts += [flag, shlex.quote(str(value))]
+    return " ".join(parts)
+
+
+def render_summary(summary: dict) -> None:
+    table = Table(title=f"comparison ({summary['workdir']})", title_justify="left")
+    for col in ("model", "made by", "weights", "ppl", "decode tok/s", "out tok/s", "p99 TTFT", "p99 TPOT"):
+        left = col in ("model", "made by")
+        table.add_column(col, justify="left" if left else "right", no_wrap=not left or col == "model")
+    notes = set()
+    for r in summary["rows"]:
+        table.add_row(r["name"], r["made_by"] if r["name"] != "source" else r["ref"], human_bytes(r["size_bytes"]) if r["size_bytes"] else "-",
+                      _num(r["perplexity"], ".3f"), _num(r["decode_tok_s"], ".1f"), _num(r["output_tok_s"], ".1f"),
+                      _num(r["p99_ttft_ms"], ".0f", " ms"), _num(r["p99_tpot_ms"], ".1f", " ms"))
+        for key, label in (("perplexity_note", "ppl"), ("decode_note", "decode tok/s"),
+                           ("bench_note", "out tok/s, p99 TTFT / TPOT")):
+            if r.get(key):
+                notes.add(f"{label}: {r[key]}")
+    notes.update(summary["notes"])
+    table.caption = "\n".join(sorted(notes)) or None
+    table.caption_justify = "left"
+    _wide().print(table)
+
+
+def _wide():
+    """stdout; when it is a file or pipe (logs, CI), 140 columns instead of rich's 80."""
+    from rich.console import Console
+
+    return out if out.is_terminal else Console(width=140)
+
+
+def _num(value, fmt: str, unit: str = "") -> str:
+    return "-" if value is None else format(value, fmt) + unit
