@@ -1,0 +1,196 @@
+"""README.md stays short, its links resolve, and its quickstart runs: every command exits 0.
+
+The quickstart is the fenced ```bash block right under the "## Quickstart" heading. Each line is one
+`llmopt ...` command (a trailing `# comment` is dropped); a line ending in `&` starts a server in the
+background, and `kill %1` stops it with SIGTERM. Any other line fails the test, so the README cannot
+show a command that nothing runs.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+MAX_README_LINES = 220
+COMMAND_TIMEOUT_S = 900
+HEALTH_TIMEOUT_S = 300
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def quickstart_commands(text: str) -> list[list[str]]:
+    """The argv of each line of the ```bash block right under '## Quickstart', comments dropped."""
+    parts = re.split(r"^## Quickstart[ \t]*$", text, flags=re.M)
+    assert len(parts) == 2, "README.md needs exactly one '## Quickstart' heading"
+    section = re.split(r"^## ", parts[1], maxsplit=1, flags=re.M)[0]
+    block = re.search(r"^```(\w*)\n(.*?)^```[ \t]*$", section, flags=re.M | re.S)
+    assert block and block.group(1) == "bash", "the Quickstart section's first fenced block must be ```bash"
+    commands = [shlex.split(line, comments=True) for line in block.group(2).splitlines()]
+    return [argv for argv in commands if argv]
+
+
+def headings(path: Path) -> list[str]:
+    """Markdown headings of a file, code blocks skipped."""
+    found, in_code = [], False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if FENCE.match(line):
+            in_code = not in_code
+        elif not in_code and re.match(r"#{1,6} ", line):
+            found.append(line.lstrip("#").strip())
+    return found
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def broken_links(page: Path) -> list[str]:
+    """Relative links of a Markdown page whose file (or heading anchor) does not exist."""
+    broken, in_code = [], False
+    for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+        if FENCE.match(line):
+            in_code = not in_code
+            continue
+        for target in [] if in_code else LINK.findall(line):
+            if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            where = f"{page.relative_to(ROOT)}:{number}: {target}"
+            if not file.exists():
+                broken.append(f"{where} (no file {file.relative_to(ROOT)})")
+            elif anchor and file.suffix == ".md" and anchor not in {slug(h) for h in headings(file)}:
+                broken.append(f"{where} (no heading with anchor #{anchor})")
+    return broken
+
+
+def test_readme_is_short():
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines; reference goes under docs/"
+
+
+def test_readme_and_docs_links_resolve():
+    pages = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+    docs_links = [t for t in LINK.findall(README.read_text(encoding="utf-8")) if t.startswith("docs/")]
+    assert docs_links, "README.md links to no docs/ page"
+    broken = [b for page in pages for b in broken_links(page)]
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_quickstart_block_is_found():
+    commands = quickstart_commands(README.read_text(encoding="utf-8"))
+    assert commands and all(argv[0] in ("llmopt", "kill") for argv in commands), commands
+
+
+# --- running the quickstart -------------------------------------------------------------------------
+
+
+def llmopt_argv(args: list[str]) -> list[str]:
+    script = Path(sys.executable).with_name("llmopt")  # the installed console script, as a user runs it
+    return [str(script), *args] if script.exists() else [sys.executable, "-m", "llmopt.cli.main", *args]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def with_port(commands: list[list[str]], port: int) -> list[list[str]]:
+    """The README's server port replaced by a free one, in `serve --port N` and in every URL."""
+    old = "8000"
+    for argv in commands:
+        if argv[:2] == ["llmopt", "serve"] and "--port" in argv:
+            old = argv[argv.index("--port") + 1]
+    out = []
+    for argv in commands:
+        argv = [re.sub(rf"^(https?://(?:127\.0\.0\.1|localhost)):{old}\b", rf"\g<1>:{port}", a) for a in argv]
+        if argv[:2] == ["llmopt", "serve"]:
+            if "--port" in argv:
+                argv[argv.index("--port") + 1] = str(port)
+            else:
+                argv[-1:-1] = ["--port", str(port)]
+        out.append(argv)
+    return out
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+def wait_healthy(server: subprocess.Popen, port: int, log: Path) -> None:
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"the server exited with {server.returncode} before /health was 200:\n{tail(log)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):  # 503 while loading, or the port not open yet
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"/health was not 200 within {HEALTH_TIMEOUT_S} s:\n{tail(log)}")
+
+
+def stop(server: subprocess.Popen) -> int:
+    server.send_signal(signal.SIGTERM)
+    try:
+        return server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+        pytest.fail("the server did not exit within 60 s of SIGTERM")
+
+
+def run_one(argv: list[str], cwd: Path, env: dict, log: Path) -> None:
+    with open(log, "w") as out:
+        rc = subprocess.run(llmopt_argv(argv[1:]), cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            timeout=COMMAND_TIMEOUT_S).returncode
+    assert rc == 0, f"`{shlex.join(argv)}` exited {rc}:\n{tail(log)}"
+
+
+@pytest.mark.integration
+def test_quickstart_runs(smollm_cache, tmp_path):
+    port = free_port()
+    commands = with_port(quickstart_commands(README.read_text(encoding="utf-8")), port)
+    env = dict(os.environ, LLMOPT_CACHE_DIR=str(smollm_cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    work = tmp_path / "work"
+    work.mkdir()
+    server, timings = None, []
+    try:
+        for i, argv in enumerate(commands):
+            start, log = time.monotonic(), tmp_path / f"{i:02d}-{argv[0]}-{argv[1]}.log"
+            if argv == ["kill", "%1"]:
+                assert server is not None, "`kill %1` without a server started by a line ending in &"
+                code, server = stop(server), None
+                assert code == 0, f"the server exited {code} after SIGTERM (drain should exit 0)"
+            elif argv[0] != "llmopt":
+                pytest.fail(f"quickstart line `{shlex.join(argv)}` is neither `llmopt ...` nor `kill %1`")
+            elif argv[-1] == "&":
+                assert server is None, "a second background server"
+                with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+                    server = subprocess.Popen(llmopt_argv(argv[1:-1]), cwd=work, env=env, stdout=out,
+                                              stderr=subprocess.STDOUT)
+                wait_healthy(server, port, log)
+            else:
+                run_one(argv, work, env, log)
+            timings.append(f"{time.monotonic() - start:6.1f} s  {shlex.join(argv)}")
+    finally:
+        if server is not None:
+            stop(server)
+        print("\n".join(timings))
