@@ -21,7 +21,8 @@ Quantized matmuls (compressed-tensors layout; x [..., K] -> [..., N] in x's dtyp
         weight int8 [N, K]; weight_scale [N, G]; weight_zero_point int8 [N, G].
     w8a8_matmul(x, weight, weight_scale, backend=None)     int8 [N, K] x per-token int8 activations
     quantize_per_token(x, backend=None) -> (int8 [M, K], fp32 scale [M])
-    w4a16_dequantize(...)                                    dense weight, for reference/export
+    dequantize(q, weight_scale, zero=None, group_size=None, dtype=fp32) -> (q - zero) * scale [N, K]: the one
+        dequantizer; w4a16_dequantize(...) the same from the packed int4 layout
 
 Layers (`nn.Module`, built with `from_compressed(tensors, ...)`, CPU layout converted once)
     W4A16Linear, W8A16Linear, W8A8Linear
@@ -92,6 +93,7 @@ _EXPORTS = {
     "silu_and_mul": "activation", "silu_and_mul_ref": "activation",
     "apply_rotary": "rotary", "apply_rotary_ref": "rotary", "build_cos_sin_cache": "rotary",
     "w4a16_matmul": "wq_matmul", "w4a16_matmul_ref": "wq_matmul", "w4a16_dequantize": "wq_matmul",
+    "dequantize": "wq_matmul",
     "w8a16_matmul": "wq_matmul", "w8a16_matmul_ref": "wq_matmul",
     "w8a8_matmul": "w8a8", "w8a8_matmul_ref": "w8a8", "quantize_per_token": "w8a8",
     "W4A16Linear": "linear", "W8A16Linear": "linear", "W8A8Linear": "linear",

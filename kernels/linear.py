@@ -17,7 +17,7 @@ from torch import nn
 from . import cpu_native, cpu_quant
 from ._backend import check
 from .w8a8 import w8a8_matmul
-from .wq_matmul import resolve_group_size, unpack_int4, unpack_int4_zero_point, w4a16_matmul, w8a16_matmul
+from .wq_matmul import resolve_group_size, unpack_int4_stored, unpack_zero_point_stored, w4a16_matmul, w8a16_matmul
 
 
 class _QuantLinear(nn.Module):
@@ -73,8 +73,8 @@ class W4A16Linear(_QuantLinear):
         if self.weight_packed.device.type == "cpu" and cpu_native.Int4Weight.supports(self.in_features, group) \
                 and cpu_native.gemv_available():
             zeros = None if self.weight_zero_point is None \
-                else unpack_int4_zero_point(self.weight_zero_point, self.out_features)
-            self.native = cpu_native.Int4Weight(unpack_int4(self.weight_packed, self.in_features),
+                else unpack_zero_point_stored(self.weight_zero_point, self.out_features)
+            self.native = cpu_native.Int4Weight(unpack_int4_stored(self.weight_packed, self.in_features),
                                                 self.weight_scale.reshape(self.out_features, -1), zeros, group)
             self.bias_f32 = None if self.bias is None else self.bias.float().contiguous()
         return self

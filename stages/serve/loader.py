@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llmopt.kernels import W4A16Linear, W8A8Linear, W8A16Linear, build_cos_sin_cache, w4a16_dequantize
-from llmopt.kernels.wq_matmul import dequantize_ref, resolve_group_size
+from llmopt.kernels import W4A16Linear, W8A8Linear, W8A16Linear, build_cos_sin_cache, dequantize, w4a16_dequantize
 
 from ..compressed import LinearScheme, decompress_linear, parse_schemes
 from ..ctpack import pack_zero_point, unpack_zero_point
@@ -232,9 +231,7 @@ def _dequantized(layer: nn.Module) -> torch.Tensor:
     if isinstance(layer, W4A16Linear):
         return w4a16_dequantize(layer.weight_packed, layer.weight_scale, layer.in_features, layer.weight_zero_point,
                                 layer.group_size)
-    group = resolve_group_size(layer.in_features, layer.weight_scale, layer.group_size)
-    zero = 0 if layer.weight_zero_point is None else layer.weight_zero_point
-    return dequantize_ref(layer.weight, layer.weight_scale, zero, group)
+    return dequantize(layer.weight, layer.weight_scale, layer.weight_zero_point, layer.group_size)
 
 
 def _quant_linear(scheme: LinearScheme, parts: list[dict], bias, backend) -> nn.Module:
@@ -242,7 +239,7 @@ def _quant_linear(scheme: LinearScheme, parts: list[dict], bias, backend) -> nn.
     if len({p.get("in_features") for p in parts}) > 1:
         raise ArtifactError("fused projections disagree on their input size")
     t = {k: _cat([p[k] for p in parts]) for k in parts[0] if k != "in_features"}
-    group = None if scheme.group_size == -1 else scheme.group_size
+    group = scheme.group_size  # -1: channel-wise, as the kernels take it
     if scheme.activations:
         return W8A8Linear.from_compressed(t, bias=bias, backend=backend)
     if scheme.bits == 8:

@@ -16,9 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmopt.kernels import cpu_native, rms_norm, silu_and_mul
+from llmopt.kernels import cpu_native, dequantize, rms_norm, silu_and_mul
 from llmopt.kernels.parallel import gather_vocab, vocab_parallel_embedding
-from llmopt.kernels.wq_matmul import dequantize_ref
 
 from ..errors import ConfigError
 
@@ -359,7 +358,7 @@ class Runtime(nn.Module):
     def _dequantized_rows(self, token_ids):
         """Rows [T, H] of the int8 table, `q * scale` in fp32 then the runtime's dtype (as the eval path)."""
         codes, scale = self.embed_tokens[token_ids], self.embed_scale[token_ids]  # [T, H], [T, H/g]
-        return dequantize_ref(codes, scale, 0, codes.shape[1] // scale.shape[1]).to(self.dtype)
+        return dequantize(codes, scale).to(self.dtype)
 
     def forward(self, token_ids, attn, kv_caches):
         """token_ids [T] -> (hidden, residual) [T, H] before the final norm. kv_caches: one cache per layer
