@@ -171,9 +171,11 @@ def materialize(model, state: dict, qconfig: dict, dtype: torch.dtype) -> dict:
 
 
 def _swap_w8a8(model, name: str, q, scale, bias) -> None:
-    from llmopt.kernels import W8A8Linear
+    from llmopt.kernels import select_backend
 
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name)
-    module = W8A8Linear.from_compressed({"weight": q.contiguous(), "weight_scale": scale.float()}, bias=bias)
-    setattr(parent, child, module)
+    # The eval path runs on CPU; W8A8 takes fbgemm on both CPU backends, so the native library is not needed.
+    layer = select_backend("cpu-torch").quantized_linear("w8a8", {"weight": q.contiguous(), "weight_scale": scale.float()},
+                                                         bias=bias)
+    setattr(parent, child, layer)
