@@ -1,9 +1,21 @@
-"""Compute layer: the ops the serve engine calls, each a Triton kernel with a torch twin.
+"""Compute layer: every kernel (Triton for CUDA, C and torch for CPU) with its torch twin and its policy, and
+one `Backend` per device that the serve runtime is built with.
 
-Every op takes `backend=None|"triton"|"torch"`. None picks from the tensor's device: CUDA ->
-Triton, CPU -> torch (and, inside the quantized `nn.Module`s, the packed CPU kernels of
-`cpu_quant`). "triton" on CPU tensors runs Triton's interpreter (tests). Importing this package
-is cheap: submodules, torch and triton load on first attribute access.
+Backends (`backend.py`; `select_backend(name="auto", device="cpu", dtype=None)` is the one place the route
+is chosen; "auto" | "cpu-native" | "cpu-torch" | "triton" | "reference"):
+    cpu-native  our C kernels (`cpu_native`: AVX-512 GEMVs, paged decode, norm/SwiGLU/RoPE, the fused decode
+                step) beside torch's CPU kernels for what they do not take
+    cpu-torch   torch's CPU kernels: oneDNN on row buckets, MKL, packed int4/int8 (`cpu_quant`), fbgemm, SDPA
+    triton      the Triton kernels below, compiled on CUDA; on CPU tensors Triton's interpreter (tests)
+    reference   every op's `*_ref` torch twin, on any device: the exact reference tests compare against
+A backend builds the projection modules from loaded tensors (`dense_linear`, `quantized_linear`: each
+module's kernels are fixed then), runs `rms_norm` and `silu_and_mul`, builds a step's `attention` from its
+`StepMetadata`, the `fused_decode` step where it has one, and `prebuild`s per-shape matmul primitives.
+
+Ops. Each takes `backend=None|"triton"|"torch"`: "torch" runs the op's `*_ref` twin, "triton" the kernel
+(interpreted on CPU tensors), None picks from the tensor's device (CUDA -> Triton, else the twin). The
+backends above always pass one explicitly. Importing this package is cheap: submodules, torch and triton
+load on first attribute access.
 
 Elementwise / norms
     rms_norm(x, weight, eps=1e-6, residual=None, backend=None) -> out | (out, x + residual)
@@ -13,7 +25,8 @@ Elementwise / norms
     build_cos_sin_cache(head_dim, max_positions, theta=1e4, rope_scaling=None, rotary_dim=None)
         -> [max_positions, rotary_dim] = cos || sin; rope_scaling: HF dict, types default/linear/llama3
 
-Quantized matmuls (compressed-tensors layout; x [..., K] -> [..., N] in x's dtype)
+Quantized matmuls (compressed-tensors layout; x [..., K] -> [..., N] in x's dtype; group_size -1:
+one group per output channel, None: inferred from the scales)
     w4a16_matmul(x, weight_packed, weight_scale, weight_zero_point=None, group_size=None, backend=None)
         weight_packed int32 [N, ceil(K/8)] (col 8c+j in bits 4j of word c, stored q+8),
         weight_scale [N, G], weight_zero_point int32 [ceil(N/8), G] packed along N, stored zp+8.
@@ -21,10 +34,12 @@ Quantized matmuls (compressed-tensors layout; x [..., K] -> [..., N] in x's dtyp
         weight int8 [N, K]; weight_scale [N, G]; weight_zero_point int8 [N, G].
     w8a8_matmul(x, weight, weight_scale, backend=None)     int8 [N, K] x per-token int8 activations
     quantize_per_token(x, backend=None) -> (int8 [M, K], fp32 scale [M])
-    w4a16_dequantize(...)                                    dense weight, for reference/export
+    dequantize(q, weight_scale, zero=None, group_size=None, dtype=fp32) -> (q - zero) * scale [N, K]: the one
+        dequantizer; w4a16_dequantize(...) the same from the packed int4 layout
 
-Layers (`nn.Module`, built with `from_compressed(tensors, ...)`, CPU layout converted once)
-    W4A16Linear, W8A16Linear, W8A8Linear
+Layers (`nn.Module`)
+    W4A16Linear, W8A16Linear, W8A8Linear: `from_compressed(tensors, group_size, bias)`, the exact twin until
+        a backend routes them (`Backend.quantized_linear`)
     ColumnParallelLinear(inner, group=None, gather_output=False), RowParallelLinear(inner, group, bias)
     shard(tensor, dim, rank, world), world_size(group)
 
@@ -33,11 +48,11 @@ slot = block * block_size + offset; block_tables [S, max_blocks] int32; context_
 counts cached tokens *including* the ones being computed.
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping, backend=None)          slot < 0: skipped
     paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, backend=None)
-    paged_attention_prefill(q, k, v, k_cache, v_cache, meta: PrefillMetadata, scale, backend=None)
+    paged_attention_prefill(q, k, v, k_cache, v_cache, meta: StepMetadata, scale, backend=None)
         writes k/v by meta.slot_mapping, then causal attention of packed q (meta.cu_seqlens_q)
         over each sequence's cache: cached prefix + new tokens (chunked prefill, shared prefixes).
 
-Native CPU kernels (`cpu_native`: C in `csrc/`, built with gcc at first use, torch path if it can't be)
+Native CPU kernels (`cpu_native`: C in `csrc/`, built with gcc at first use; `available()`/`why_unavailable()`)
     cpu_native.paged_decode(q, kv_rows, block_tables, context_lens, scale, block_size)
         decode attention read in place from a layer's cache rows [slots, K || V]; fp32 / bf16
     cpu_native.gemv(x, DenseWeight(w), bias) / gemv_w4(x, Int4Weight(q, scales, zeros, group), bias)
@@ -45,12 +60,10 @@ Native CPU kernels (`cpu_native`: C in `csrc/`, built with gcc at first use, tor
         decode-sized matmuls (AVX-512) on weights tiled once at load time, streamed once per call;
         batch-invariant; fp32 arithmetic (W4A16 and W8A16 too)
     cpu_native.add_rms_norm / silu_mul / rope_: a layer's small ops, one call each
-    cpu_native.DecodeLayers(...).run(...): every decoder layer of a decode step in one call
-
-Every op has a `*_ref` torch twin (rms_norm_ref, w4a16_matmul_ref, paged_attention_ref,
-paged_attention_decode_ref, ...): the test reference and the CPU path. CPU fast paths and
-their numerics (bf16 activations for W4A16/W8A16, fbgemm per-token int8 for W8A8) are
-documented in `cpu_quant`.
+    cpu_native.DecodeLayers(...).run(...): every decoder layer of a decode step in one call (`fused_decode`)
+CPU policy: `cpu_linear` (DenseLinear, oneDNN row buckets and their prebuild), `cpu_attention` (paged
+attention and decode grouping), `cpu_quant` (torch's packed kernels and their numerics: bf16 activations
+for W4A16/W8A16, fbgemm per-token int8 for W8A8).
 
 Errors: ValueError for wrong shapes/dtypes (message says what was expected);
 KernelBackendError for a backend that cannot run here.
@@ -92,6 +105,7 @@ _EXPORTS = {
     "silu_and_mul": "activation", "silu_and_mul_ref": "activation",
     "apply_rotary": "rotary", "apply_rotary_ref": "rotary", "build_cos_sin_cache": "rotary",
     "w4a16_matmul": "wq_matmul", "w4a16_matmul_ref": "wq_matmul", "w4a16_dequantize": "wq_matmul",
+    "dequantize": "wq_matmul",
     "w8a16_matmul": "wq_matmul", "w8a16_matmul_ref": "wq_matmul",
     "w8a8_matmul": "w8a8", "w8a8_matmul_ref": "w8a8", "quantize_per_token": "w8a8",
     "W4A16Linear": "linear", "W8A16Linear": "linear", "W8A8Linear": "linear",
@@ -100,8 +114,9 @@ _EXPORTS = {
     "write_kv_cache": "kv_cache", "write_kv_cache_ref": "kv_cache",
     "paged_attention_decode": "paged_attention", "paged_attention_prefill": "paged_attention",
     "paged_attention_ref": "paged_attention", "paged_attention_decode_ref": "paged_attention",
-    "PrefillMetadata": "paged_attention",
+    "StepMetadata": "paged_attention",
     "KernelBackendError": "_backend",
+    "Backend": "backend", "BACKENDS": "backend", "select_backend": "backend",
 }
 
 __all__ = sorted(_EXPORTS)

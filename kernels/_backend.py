@@ -1,4 +1,6 @@
-"""Backend selection shared by every op: Triton on CUDA, torch on CPU, explicit override.
+"""Op-level dispatch shared by every op (`backend=None|"triton"|"torch"`; None: Triton for CUDA tensors,
+the torch twin otherwise) and the Triton launch plumbing. Which kernels a model runs is decided once by
+its `Backend` (`backend.py`), which always passes the op backend explicitly.
 
 Triton is imported here, guarded, so that a machine without it can still import every kernel
 module (the kernels are then plain Python functions that nobody launches). The choice of
@@ -33,7 +35,7 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
         return fn
 
 
-BACKENDS = ("triton", "torch")
+OP_BACKENDS = ("triton", "torch")
 
 
 class KernelBackendError(RuntimeError):
@@ -44,8 +46,8 @@ def pick_backend(x: torch.Tensor, backend: str | None) -> str:
     """`backend` if given, else "triton" for CUDA tensors (when triton imports) and "torch" otherwise."""
     if backend is None:
         return "triton" if x.is_cuda and triton is not None else "torch"
-    if backend not in BACKENDS:
-        raise KernelBackendError(f"unknown kernel backend {backend!r}; use one of {BACKENDS} or None")
+    if backend not in OP_BACKENDS:
+        raise KernelBackendError(f"unknown kernel backend {backend!r}; use one of {OP_BACKENDS} or None")
     if backend == "triton" and triton is None:
         raise KernelBackendError("backend='triton' needs the triton package: pip install triton")
     return backend

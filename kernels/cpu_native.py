@@ -14,8 +14,8 @@ concurrent first uses and interrupted builds never leave a half-written library.
 the libgomp torch has already loaded (same soname), so the kernel uses torch's thread pool and
 thread count. Calls go through ctypes, which releases the GIL.
 
-No compiler, a failed build or `LLMOPT_NATIVE=0`: `available()` is False and callers keep the torch
-path (`why_unavailable()` says why).
+No compiler or a failed build: `available()` is False and `why_unavailable()` says why; the backend
+choice (`kernels.backend.select_backend`) then picks "cpu-torch" for "auto" and refuses "cpu-native".
 """
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ def _traced(fn):
 
 
 def cache_dir() -> Path:
+    """`$LLMOPT_CACHE_DIR`, else `$XDG_CACHE_HOME/llmopt` (default `~/.cache/llmopt`)."""
     root = os.environ.get("LLMOPT_CACHE_DIR")
     return Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmopt"
 
@@ -108,9 +109,6 @@ def _build(compiler: str) -> Path:
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     global _reason
-    if os.environ.get("LLMOPT_NATIVE", "1") == "0":
-        _reason = "disabled by LLMOPT_NATIVE=0"
-        return None
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         _reason = "no C compiler (gcc or cc) on PATH"
@@ -118,7 +116,7 @@ def _library() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.SubprocessError) as exc:
-        _reason = f"native kernels not built: {exc}"
+        _reason = str(exc)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in _FUNCTIONS.values():
@@ -146,15 +144,19 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
+    """The native library is built (at the first call) and loaded."""
     return _library() is not None
 
 
 def why_unavailable() -> str | None:
+    """Why the library is not available ("no C compiler (gcc or cc) on PATH", the compiler's error, ...),
+    or None when it is."""
     _library()
     return _reason
 
 
 def supports(dtype: torch.dtype) -> bool:
+    """`paged_decode` runs on q and cache of this dtype here."""
     return dtype in _FUNCTIONS and available()
 
 
@@ -347,6 +349,7 @@ def gemv_w8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = Non
 
 # --- small per-layer ops (csrc/ops.c) -------------------------------------------------------------------
 def ops_supported(dtype: torch.dtype) -> bool:
+    """`add_rms_norm`, `silu_mul` and `rope_` run on this dtype here."""
     return dtype in _ELEM and available()
 
 

@@ -21,8 +21,8 @@ The packed weight-only kernels are GEMV kernels: from DEQUANT_MIN_ROWS_* rows (p
 lose to a transient bf16 weight + bf16 GEMM, so the weight-only paths switch there (the
 transient weight lives for one call). fbgemm's int8 GEMM stays fastest at every batch size.
 
-Each `pack_*` returns None for shapes/layouts its kernel cannot take; callers then use the
-`*_ref` twin. Nothing here is imported by the Triton path.
+Each `pack_*` returns None for shapes/layouts its kernel cannot take; the CPU backends
+(`cpu_backends`) then route the layer elsewhere. Nothing here is imported by the Triton path.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .wq_matmul import dequantize_ref, resolve_group_size, unpack_int4, unpack_int4_zero_point
+from .wq_matmul import dequantize, resolve_group_size, unpack_int4_stored, unpack_zero_point_stored, w4a16_dequantize
 
 _INT4_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu accepts
 # Weight-only paths: from this many rows, a transient bf16 weight + bf16 GEMM beats the packed
@@ -52,7 +52,7 @@ class Int4CpuWeight:
     packed: torch.Tensor  # uint8 [N, K/2] from _convert_weight_to_int4pack_for_cpu
     scales_and_zeros: torch.Tensor  # bf16 [K/group, N, 2]
     group_size: int
-    source: tuple  # (weight_packed, weight_scale, weight_zero_point, group_size, in_features)
+    source: tuple  # (weight_packed, weight_scale, in_features, weight_zero_point, group_size)
 
 
 def _cpu_group(in_features: int, group_size: int) -> int | None:
@@ -70,29 +70,17 @@ def pack_w4a16_for_cpu(weight_packed, weight_scale, in_features, weight_zero_poi
     g = _cpu_group(in_features, group_size)
     if g is None or n % 16 != 0 or weight_packed.device.type != "cpu":
         return None
-    q = unpack_int4(weight_packed, in_features).to(torch.int32)  # [N, K] stored values 0..15
+    q = unpack_int4_stored(weight_packed, in_features).to(torch.int32)  # [N, K] stored values 0..15
     scale = weight_scale.float()
     if weight_zero_point is None:
         zero = torch.zeros_like(scale)
     else:  # (q - zp) * s == (q - 8) * s + (8 - zp) * s
-        zero = (8.0 - unpack_int4_zero_point(weight_zero_point, n).float()) * scale
+        zero = (8.0 - unpack_zero_point_stored(weight_zero_point, n).float()) * scale
     reps, groups = group_size // g, in_features // g
     sz = torch.stack([scale, zero], dim=-1).repeat_interleave(reps, dim=1)[:, :groups]  # [N, K/g, 2]
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    source = (weight_packed, weight_scale, weight_zero_point, group_size, in_features)
+    source = (weight_packed, weight_scale, in_features, weight_zero_point, group_size)
     return Int4CpuWeight(packed, sz.transpose(0, 1).contiguous().to(torch.bfloat16), g, source)
-
-
-def _dequantize_int4_bf16(weight_packed, weight_scale, weight_zero_point, group_size, in_features):
-    """Transient bf16 [N, K] weight, computed in bf16 (q - zp is exact there)."""
-    n = weight_packed.shape[0]
-    q = unpack_int4(weight_packed, in_features).to(torch.bfloat16)
-    zero = 8 if weight_zero_point is None else unpack_int4_zero_point(weight_zero_point, n).to(torch.bfloat16)
-    if in_features % group_size:
-        return dequantize_ref(q, weight_scale, zero, group_size, torch.bfloat16)
-    q = q.view(n, -1, group_size)  # [N, G, group]: broadcast scales instead of expanding them
-    zero = zero[..., None] if torch.is_tensor(zero) else zero
-    return ((q - zero) * weight_scale.to(torch.bfloat16)[..., None]).view(n, in_features)
 
 
 def w4a16_cpu_matmul(x, weight: Int4CpuWeight):
@@ -104,7 +92,7 @@ def w4a16_cpu_matmul(x, weight: Int4CpuWeight):
     """
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
     if x2.shape[0] >= DEQUANT_MIN_ROWS_W4:
-        y = torch.nn.functional.linear(x2, _dequantize_int4_bf16(*weight.source))
+        y = torch.nn.functional.linear(x2, w4a16_dequantize(*weight.source, dtype=torch.bfloat16))
     else:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight.packed, weight.group_size, weight.scales_and_zeros)
     return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
@@ -133,7 +121,7 @@ def w8a16_cpu_matmul(x, weight: Int8CpuWeight):
     DEQUANT_MIN_ROWS_W8 rows, as for W4); returns x's dtype."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] >= DEQUANT_MIN_ROWS_W8:
-        dense = weight.weight.to(torch.bfloat16) * weight.scale[:, None]
+        dense = dequantize(weight.weight, weight.scale, None, -1, torch.bfloat16)  # [N, K]
         y = torch.nn.functional.linear(x2.to(torch.bfloat16), dense).to(x.dtype)
     else:
         y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), weight.weight, weight.scale).to(x.dtype)

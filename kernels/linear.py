@@ -1,172 +1,144 @@
-"""Quantized linear layers for the serve engine, built from compressed-tensors tensors.
+"""Linear layers whose kernels a backend chooses once, at load time: the routing base and the quantized layers.
 
-`from_compressed(tensors, ...)` takes one Linear's tensors as they sit in the safetensors file
-(names without the module prefix, e.g. {"weight_packed", "weight_scale", "weight_shape"}).
-The compressed-tensors layout is kept as buffers (the Triton path reads it directly); on CPU
-the weight is additionally converted once into the layout of the fastest CPU kernel
-(`cpu_quant`). `forward` then picks: CUDA -> Triton, CPU -> that kernel, or the torch twin
-when the CPU kernel cannot take the shape. `backend="torch"|"triton"` forces one path.
+A `RoutedLinear` computes `x [..., K] -> [..., N]` with at most two kernels and one row-count policy:
+calls of up to `small_rows` rows take `small`, larger ones `large`. Which kernels those are is decided
+by the backend that built the layer (`kernels.backend`), never per call from the device or a string.
+
+The quantized layers are built from compressed-tensors tensors with `from_compressed(tensors, ...)`
+(names without the module prefix, e.g. {"weight_packed", "weight_scale", "weight_shape"}) and keep that
+layout as buffers. Built alone, a layer runs its op's exact torch twin (dequantized fp32 matmul); a
+backend then routes it to its own kernels with `route(...)` and may attach the CPU layouts it made:
+`cpu_weight` (torch's packed CPU kernel), `native` (the native GEMV, which the fused decode step reads)
+and `dense` (a dequantized dense copy for the rows no quantized kernel takes).
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
 
-from . import cpu_native, cpu_quant
 from ._backend import check
 from .w8a8 import w8a8_matmul
-from .wq_matmul import resolve_group_size, unpack_int4, unpack_int4_zero_point, w4a16_matmul, w8a16_matmul
+from .wq_matmul import resolve_group_size, w4a16_matmul, w8a16_matmul
+
+Kernel = Callable[[torch.Tensor], torch.Tensor]  # x [M, K] -> y [M, N] in x's dtype, bias included
 
 
-class _QuantLinear(nn.Module):
-    """Shared plumbing: bias, backend override, CPU pack selection."""
+class RoutedLinear(nn.Module):
+    """`x @ W.T + bias` through the kernels its backend chose: `small` up to `small_rows` rows, else `large`."""
 
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, backend: str | None):
+    def __init__(self, in_features: int, out_features: int):
         super().__init__()
-        self.in_features, self.out_features, self.backend = in_features, out_features, backend
+        self.in_features, self.out_features = in_features, out_features
+        self.small: Kernel | None = None
+        self.small_rows = -1  # no call takes `small` until a backend routes one
+        self.large: Kernel | None = None
+
+    def route(self, large: Kernel, small: Kernel | None = None, small_rows: int = -1) -> "RoutedLinear":
+        """Fix the kernels: calls of up to `small_rows` rows run `small`, the others `large`."""
+        self.large, self.small, self.small_rows = large, small, small_rows if small is not None else -1
+        return self
+
+    def forward(self, x):
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        y = self.small(x2) if x2.shape[0] <= self.small_rows else self.large(x2)  # [M, N]
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class QuantLinear(RoutedLinear):
+    """Shared plumbing of the quantized layers: bias, the op on a given op backend, the CPU layouts."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
+        super().__init__(in_features, out_features)
         self.register_buffer("bias", bias)
-        self.cpu_weight = None  # set by prepare_cpu(); a plain attribute, rebuilt after loading
-        self.native = self.bias_f32 = None  # the native GEMV's layout, where a subclass has one
-        self.dense = None  # CPU: a dense (dequantized) twin for calls the native GEMV does not take, if any
+        self.cpu_weight = None  # torch's CPU kernel layout (`cpu_quant`), where the backend made one
+        self.native = None  # `cpu_linear.NativeLinear`, where the backend runs few rows on the native GEMV
+        self.dense = None  # a dequantized `cpu_linear.DenseLinear`, where the backend keeps one
+        self.route(self.op_kernel("torch"))
 
-    def _use_cpu_kernel(self, x: torch.Tensor) -> bool:
-        return self.backend is None and x.device.type == "cpu" and self.cpu_weight is not None
+    def op_kernel(self, op_backend: str) -> Kernel:
+        """The layer's kernel op on `op_backend` ("torch": the exact twin, "triton"), bias added after."""
+        def run(x):
+            return self.add_bias(self.matmul(x, op_backend))
+        return run
 
-    def _finish(self, y: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, op_backend: str) -> torch.Tensor:
+        """x [M, K] @ W.T without bias, by the op of `llmopt.kernels` on `op_backend`."""
+        raise NotImplementedError
+
+    def add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        """y plus the bias (in y's dtype), if there is one."""
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        path = type(self.cpu_weight).__name__ if self.cpu_weight is not None else "reference"
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, cpu={path}"
+        parts = [f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"]
+        parts += [f"{name}={type(value).__name__}" for name, value in
+                  (("cpu", self.cpu_weight), ("native", self.native)) if value is not None]
+        return ", ".join(parts)
 
 
-class W4A16Linear(_QuantLinear):
+class W4A16Linear(QuantLinear):
     """int4 weight-only linear (pack-quantized, group-wise or channel-wise, sym or asym)."""
 
-    def __init__(self, weight_packed, weight_scale, in_features, weight_zero_point=None, group_size=None,
-                 bias=None, backend=None):
-        super().__init__(in_features, weight_packed.shape[0], bias, backend)
+    def __init__(self, weight_packed, weight_scale, in_features, weight_zero_point=None, group_size=None, bias=None):
+        super().__init__(in_features, weight_packed.shape[0], bias)
         self.register_buffer("weight_packed", weight_packed)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("weight_zero_point", weight_zero_point)
-        self.group_size = group_size
+        self.group_size = resolve_group_size(in_features, weight_scale, group_size)
 
     @classmethod
-    def from_compressed(cls, tensors: Mapping[str, torch.Tensor], group_size=None, bias=None, backend=None):
-        """Build from {weight_packed, weight_scale, weight_shape[, weight_zero_point]}."""
+    def from_compressed(cls, tensors: Mapping[str, torch.Tensor], group_size=None, bias=None) -> "W4A16Linear":
+        """Build from {weight_packed, weight_scale, weight_shape[, weight_zero_point]}; group_size -1: channel-wise,
+        None: inferred from the scales."""
         out_features, in_features = (int(v) for v in tensors["weight_shape"].tolist())
         check(tensors["weight_packed"].shape[0] == out_features,
               "W4A16Linear: weight_shape disagrees with weight_packed")
-        layer = cls(tensors["weight_packed"], tensors["weight_scale"], in_features,
-                    tensors.get("weight_zero_point"), group_size, bias, backend)
-        return layer.prepare_cpu()
+        return cls(tensors["weight_packed"], tensors["weight_scale"], in_features, tensors.get("weight_zero_point"),
+                   group_size, bias)
 
-    def prepare_cpu(self):
-        """Convert once to the int4 CPU kernels' layouts (no-op off CPU or for unsupported shapes): the native
-        GEMV's for decode-sized calls (fp32 activations), torch's packed int4 kernel for the rest."""
-        self.cpu_weight = cpu_quant.pack_w4a16_for_cpu(
-            self.weight_packed, self.weight_scale, self.in_features, self.weight_zero_point, self.group_size)
-        self.native = self.bias_f32 = None
-        group = resolve_group_size(self.in_features, self.weight_scale, self.group_size)
-        if self.weight_packed.device.type == "cpu" and cpu_native.Int4Weight.supports(self.in_features, group) \
-                and cpu_native.gemv_available():
-            zeros = None if self.weight_zero_point is None \
-                else unpack_int4_zero_point(self.weight_zero_point, self.out_features)
-            self.native = cpu_native.Int4Weight(unpack_int4(self.weight_packed, self.in_features),
-                                                self.weight_scale.reshape(self.out_features, -1), zeros, group)
-            self.bias_f32 = None if self.bias is None else self.bias.float().contiguous()
-        return self
-
-    def native_desc(self):
-        """(C description, most rows it serves, tensors to keep) for the fused native decode step, or None."""
-        if self.native is None or self.backend is not None:
-            return None
-        return cpu_native.linear_desc(self.native, self.bias_f32), cpu_native.W4_MAX_ROWS, [self.native, self.bias_f32]
-
-    def forward(self, x):
-        if self.native is not None and self.backend is None and x.device.type == "cpu" and x.dim() == 2 \
-                and x.shape[0] <= cpu_native.W4_MAX_ROWS:
-            return cpu_native.gemv_w4(x if x.stride(1) == 1 else x.contiguous(), self.native, self.bias_f32)
-        if self.dense is not None and self.backend is None and x.device.type == "cpu":
-            return self.dense(x)
-        if self._use_cpu_kernel(x):
-            return self._finish(cpu_quant.w4a16_cpu_matmul(x, self.cpu_weight))
-        y = w4a16_matmul(x, self.weight_packed, self.weight_scale, self.weight_zero_point, self.group_size,
-                         backend=self.backend)
-        return self._finish(y)
+    def matmul(self, x, op_backend):
+        return w4a16_matmul(x, self.weight_packed, self.weight_scale, self.weight_zero_point, self.group_size,
+                            backend=op_backend)
 
 
-class W8A16Linear(_QuantLinear):
+class W8A16Linear(QuantLinear):
     """int8 weight-only linear: int8 `weight` [N, K], `weight_scale` [N, G], optional zero point."""
 
-    def __init__(self, weight, weight_scale, weight_zero_point=None, group_size=None, bias=None, backend=None):
-        super().__init__(weight.shape[1], weight.shape[0], bias, backend)
+    def __init__(self, weight, weight_scale, weight_zero_point=None, group_size=None, bias=None):
+        super().__init__(weight.shape[1], weight.shape[0], bias)
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("weight_zero_point", weight_zero_point)
-        self.group_size = group_size
+        self.group_size = resolve_group_size(self.in_features, weight_scale, group_size)
 
     @classmethod
-    def from_compressed(cls, tensors: Mapping[str, torch.Tensor], group_size=None, bias=None, backend=None):
+    def from_compressed(cls, tensors: Mapping[str, torch.Tensor], group_size=None, bias=None) -> "W8A16Linear":
         """Build from {weight (int8), weight_scale[, weight_zero_point]}."""
-        layer = cls(tensors["weight"], tensors["weight_scale"], tensors.get("weight_zero_point"), group_size,
-                    bias, backend)
-        return layer.prepare_cpu()
+        return cls(tensors["weight"], tensors["weight_scale"], tensors.get("weight_zero_point"), group_size, bias)
 
-    def prepare_cpu(self):
-        """Convert once for the int8 CPU kernels: the native GEMV for decode-sized calls (fp32 activations),
-        torch's int8 weight-only kernel for the rest (channel-wise, K % 64 == 0 only)."""
-        self.cpu_weight = cpu_quant.pack_w8a16_for_cpu(self.weight, self.weight_scale, self.weight_zero_point)
-        self.native = self.bias_f32 = None
-        group = resolve_group_size(self.in_features, self.weight_scale, self.group_size)
-        if self.weight.device.type == "cpu" and self.weight.dtype == torch.int8 \
-                and cpu_native.Int8Weight.supports(self.in_features, group) and cpu_native.gemv_available():
-            self.native = cpu_native.Int8Weight(self.weight, self.weight_scale.reshape(self.out_features, -1),
-                                                self.weight_zero_point, group)
-            self.bias_f32 = None if self.bias is None else self.bias.float().contiguous()
-        return self
-
-    def native_desc(self):
-        """(C description, most rows it serves, tensors to keep) for the fused native decode step, or None."""
-        if self.native is None or self.backend is not None:
-            return None
-        return cpu_native.linear_desc(self.native, self.bias_f32), cpu_native.W8_MAX_ROWS, [self.native, self.bias_f32]
-
-    def forward(self, x):
-        if self.native is not None and self.backend is None and x.device.type == "cpu" and x.dim() == 2 \
-                and x.shape[0] <= cpu_native.W8_MAX_ROWS:
-            return cpu_native.gemv_w8(x if x.stride(1) == 1 else x.contiguous(), self.native, self.bias_f32)
-        if self.dense is not None and self.backend is None and x.device.type == "cpu":
-            return self.dense(x)
-        if self._use_cpu_kernel(x):
-            return self._finish(cpu_quant.w8a16_cpu_matmul(x, self.cpu_weight))
-        y = w8a16_matmul(x, self.weight, self.weight_scale, self.weight_zero_point, self.group_size,
-                         backend=self.backend)
-        return self._finish(y)
+    def matmul(self, x, op_backend):
+        return w8a16_matmul(x, self.weight, self.weight_scale, self.weight_zero_point, self.group_size,
+                            backend=op_backend)
 
 
-class W8A8Linear(_QuantLinear):
+class W8A8Linear(QuantLinear):
     """int8 weights per channel x int8 activations per token (dynamic), int32 accumulation."""
 
-    def __init__(self, weight, weight_scale, bias=None, backend=None):
-        super().__init__(weight.shape[1], weight.shape[0], bias, backend)
+    def __init__(self, weight, weight_scale, bias=None):
+        super().__init__(weight.shape[1], weight.shape[0], bias)
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale)
 
     @classmethod
-    def from_compressed(cls, tensors: Mapping[str, torch.Tensor], bias=None, backend=None):
-        """Build from {weight (int8), weight_scale [N, 1]} (symmetric, channel-wise)."""
+    def from_compressed(cls, tensors: Mapping[str, torch.Tensor], group_size=None, bias=None) -> "W8A8Linear":
+        """Build from {weight (int8), weight_scale [N, 1]} (symmetric, channel-wise; `group_size` is ignored)."""
         check("weight_zero_point" not in tensors, "W8A8Linear: asymmetric int8 weights are not supported")
-        return cls(tensors["weight"], tensors["weight_scale"], bias, backend).prepare_cpu()
+        return cls(tensors["weight"], tensors["weight_scale"], bias)
 
-    def prepare_cpu(self):
-        """Prepack the weight for fbgemm (x86 CPUs)."""
-        self.cpu_weight = cpu_quant.pack_w8a8_for_cpu(self.weight, self.weight_scale)
-        return self
+    def matmul(self, x, op_backend):
+        return w8a8_matmul(x, self.weight, self.weight_scale, backend=op_backend)
 
-    def forward(self, x):
-        if self._use_cpu_kernel(x):
-            return self._finish(cpu_quant.w8a8_cpu_matmul(x, self.cpu_weight))
-        return self._finish(w8a8_matmul(x, self.weight, self.weight_scale, backend=self.backend))
+
+QUANTIZED = {"w4a16": W4A16Linear, "w8a16": W8A16Linear, "w8a8": W8A8Linear}  # formats a backend builds

@@ -89,19 +89,27 @@ def _paged_attention_kernel(
 
 
 @dataclass(frozen=True)
-class PrefillMetadata:
-    """Where a packed batch of new tokens goes and what it attends to.
+class StepMetadata:
+    """Where a step's packed batch of new tokens goes and what it attends to (the kernels' own view of a
+    step: the serve runner builds one from its StepInput).
 
-    cu_seqlens_q [S+1] int32: query offsets; block_tables [S, max_blocks] int32;
-    context_lens [S] int32: cached tokens per sequence after this chunk is written;
-    slot_mapping [T] int64: cache slot per new token (-1 skips it); max_query_len: longest chunk.
+    positions [T] int64: each new token's position in its sequence (RoPE);
+    cu_seqlens_q [S+1] int32: query offsets; context_lens [S] int32: cached tokens per sequence after
+    this step is written; block_tables [S, max_blocks] int32; slot_mapping [T] int64: cache slot per
+    new token (-1 skips it); max_query_len: the longest run of new tokens of one sequence.
     """
 
+    positions: torch.Tensor
     cu_seqlens_q: torch.Tensor
-    block_tables: torch.Tensor
     context_lens: torch.Tensor
+    block_tables: torch.Tensor
     slot_mapping: torch.Tensor
     max_query_len: int
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence brings exactly one new token."""
+        return self.max_query_len == 1
 
 
 def _gather_seq(cache, block_table, ctx):
@@ -189,7 +197,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     return _launch(q, k_cache, v_cache, cu, block_tables, context_lens, scale, 1)
 
 
-def paged_attention_prefill(q, k, v, k_cache, v_cache, meta: PrefillMetadata, scale, backend=None):
+def paged_attention_prefill(q, k, v, k_cache, v_cache, meta: StepMetadata, scale, backend=None):
     """Write the new k/v [T, Hk, D] into the cache, then causal attention of q [T, Hq, D].
 
     Each sequence's queries see its cached prefix (earlier chunks, shared prefix blocks) and

@@ -10,8 +10,13 @@ W8A16 ("int-quantized"/"naive-quantized"): `weight` int8 [N, K] (signed), `weigh
 [N, G], optional `weight_zero_point` int8 [N, G]. Dequant: w = (q - zp) * scale.
 
 The Triton kernel dequantizes tiles in registers inside the K loop; no dequantized copy of the
-weight is ever written to memory. The `*_ref` twins do materialise it (test reference, CPU
-fallback for shapes the CPU fast paths in `cpu_quant` do not take).
+weight is ever written to memory. The `*_ref` twins do materialise it: they are the exact reference
+(the "reference" backend, and what tests compare against); the CPU backends use `cpu_quant` and
+`cpu_native` instead.
+
+Shared layout helpers, named for what they return: `unpack_int4_stored` / `unpack_zero_point_stored`
+(stored values 0..15, not signed codes), `resolve_group_size` and `dequantize`, the one dequantizer
+every reader of quantized weights uses.
 """
 from __future__ import annotations
 
@@ -89,8 +94,8 @@ def _wq_matmul_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
 
 
-def unpack_int4(weight_packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """int32 [N, ceil(K/8)] -> uint8 [N, K] stored values 0..15 (q + 8)."""
+def unpack_int4_stored(weight_packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """int32 [N, ceil(K/8)] -> uint8 [N, K] of the stored values 0..15 (the signed code + 8)."""
     n = weight_packed.shape[0]
     if sys.byteorder == "little":  # word c's byte b holds columns 8c+2b (low nibble), 8c+2b+1 (high)
         b = weight_packed.contiguous().view(torch.uint8)
@@ -100,17 +105,20 @@ def unpack_int4(weight_packed: torch.Tensor, in_features: int) -> torch.Tensor:
     return nib.flatten(1)[:, :in_features].to(torch.uint8)
 
 
-def unpack_int4_zero_point(zp_packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """int32 [ceil(N/8), G] packed along N -> uint8 [N, G] stored values 0..15."""
+def unpack_zero_point_stored(zp_packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """int32 [ceil(N/8), G] packed along N -> uint8 [N, G] of the stored values 0..15 (zero point + 8)."""
     shifts = torch.arange(0, 32, 4, device=zp_packed.device, dtype=torch.int32)
     nib = (zp_packed.unsqueeze(1) >> shifts[None, :, None]) & 0xF  # [N/8, 8, G]
     return nib.flatten(0, 1)[:out_features].to(torch.uint8)
 
 
 def resolve_group_size(in_features: int, weight_scale: torch.Tensor, group_size: int | None) -> int:
-    """Group size as a number. None: channel-wise for [N, 1] scales, else K / G when exact."""
-    groups = weight_scale.shape[-1]
-    if group_size is None:
+    """Columns per scale as a number. -1: one group per output channel (compressed-tensors' `strategy:
+    channel`); None: inferred from the scales, K / G (channel-wise for [N, 1])."""
+    groups = weight_scale.shape[-1] if weight_scale.dim() > 1 else 1
+    if group_size == -1:
+        group_size = in_features
+    elif group_size is None:
         check(in_features % groups == 0,
               f"group_size is required: K={in_features} is not a multiple of {groups} groups")
         group_size = in_features // groups
@@ -120,22 +128,37 @@ def resolve_group_size(in_features: int, weight_scale: torch.Tensor, group_size:
     return group_size
 
 
-def dequantize_ref(q, weight_scale, zero, group_size, dtype=torch.float32):
-    """(q - zero) * scale with [N, G] scales/zeros expanded over groups of K; returns [N, K]."""
-    k = q.shape[1]
-    scale = weight_scale.to(dtype).repeat_interleave(group_size, dim=1)[:, :k]
-    if torch.is_tensor(zero):
-        zero = zero.to(dtype).repeat_interleave(group_size, dim=1)[:, :k]
-    return (q.to(dtype) - zero) * scale
+def dequantize(q, weight_scale, zero=None, group_size=None, dtype=torch.float32):
+    """The dense weight [N, K] = (q - zero) * scale, computed in `dtype`: the one dequantizer.
+
+    q [N, K] integer codes (signed, or stored values with `zero` holding the matching offset);
+    weight_scale [N, G]; zero: None, a number, or [N, G] per group. group_size: columns per scale,
+    -1 for one group per output channel, None to infer it (see `resolve_group_size`). Elementwise in
+    `dtype`, so the result is bit-identical to compressed-tensors' `(q - zp) * scale` in that dtype.
+    """
+    n, k = q.shape
+    group = resolve_group_size(k, weight_scale, group_size)
+    scale = weight_scale.reshape(n, -1).to(dtype)  # [N, G]
+    zero = zero.reshape(n, -1).to(dtype) if torch.is_tensor(zero) else zero
+    if k % group:  # a ragged last group: expand the scales over K
+        scale = scale.repeat_interleave(group, dim=1)[:, :k]  # [N, K]
+        zero = zero.repeat_interleave(group, dim=1)[:, :k] if torch.is_tensor(zero) else zero
+        x = q.to(dtype)
+    else:  # broadcast each group's scale over its columns instead of expanding it
+        x = q.to(dtype).view(n, -1, group)  # [N, G, group]
+        scale = scale[..., None]  # [N, G, 1]
+        zero = zero[..., None] if torch.is_tensor(zero) else zero
+    if zero is not None:
+        x = x - zero
+    return (x * scale).view(n, k)
 
 
 def w4a16_dequantize(weight_packed, weight_scale, in_features, weight_zero_point=None, group_size=None,
                      dtype=torch.float32):
     """The dense [N, K] weight that a pack-quantized W4 layer represents."""
-    group_size = resolve_group_size(in_features, weight_scale, group_size)
-    q = unpack_int4(weight_packed, in_features)
-    zero = 8 if weight_zero_point is None else unpack_int4_zero_point(weight_zero_point, q.shape[0])
-    return dequantize_ref(q, weight_scale, zero, group_size, dtype)
+    q = unpack_int4_stored(weight_packed, in_features)
+    zero = 8 if weight_zero_point is None else unpack_zero_point_stored(weight_zero_point, q.shape[0])
+    return dequantize(q, weight_scale, zero, group_size, dtype)
 
 
 def w4a16_matmul_ref(x, weight_packed, weight_scale, weight_zero_point=None, group_size=None):
@@ -146,9 +169,7 @@ def w4a16_matmul_ref(x, weight_packed, weight_scale, weight_zero_point=None, gro
 
 def w8a16_matmul_ref(x, weight, weight_scale, weight_zero_point=None, group_size=None):
     """Torch twin for int8 weights: dequantize to fp32, matmul in fp32, cast to x's dtype."""
-    group_size = resolve_group_size(weight.shape[1], weight_scale, group_size)
-    zero = 0 if weight_zero_point is None else weight_zero_point
-    w = dequantize_ref(weight, weight_scale, zero, group_size)
+    w = dequantize(weight, weight_scale, weight_zero_point, group_size)
     return (x.float() @ w.t()).to(x.dtype)
 
 

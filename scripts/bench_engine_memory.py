@@ -7,7 +7,7 @@ prompt slices of 8-64 tokens, 4-16 new tokens each, at most --in-flight running 
 once after --warmup requests have run to completion (the reference) and then every --every of the
 --requests that follow, the last reading once they have all finished. The warm-up ends with a
 drain, so it has seen every batch size from --in-flight down to 1: the oneDNN primitives built once
-per matmul shape (`stages.serve.model.on_row_buckets`) and allocator pools filled once do not count
+per matmul shape (`kernels.cpu_linear.on_row_buckets`) and allocator pools filled once do not count
 as growth. Exits 1 when a block is still in use at the end or RSS grew by more than --max-growth-mib.
 
     python scripts/bench_engine_memory.py smollm2-135m --requests 2000

@@ -21,13 +21,14 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from llmopt.kernels import W4A16Linear, W8A8Linear, W8A16Linear
+from llmopt.kernels import select_backend
 
 HIDDEN, INTER, KV, VOCAB = 576, 1536, 192, 49152
 # name: (K, N, calls per layer)
 LAYER_SHAPES = {"q/o": (HIDDEN, HIDDEN, 2), "k/v": (HIDDEN, KV, 2), "gate/up": (HIDDEN, INTER, 2),
                 "down": (INTER, HIDDEN, 1)}
 PATHS = ("fp32", "bf16", "w8a16", "w8a8", "w4a16")
+TORCH_CPU = select_backend("cpu-torch")  # the quantized paths: torch's packed CPU kernels
 GROUP = 64
 
 
@@ -72,9 +73,9 @@ def build(k: int, n: int, count: int) -> dict[str, list]:
         t = quantize(w)
         layers["fp32"].append(lambda x, w=w: F.linear(x, w))
         layers["bf16"].append(lambda x, w=w.bfloat16(): F.linear(x.bfloat16(), w).float())
-        layers["w8a16"].append(W8A16Linear.from_compressed(t["w8"]))
-        layers["w8a8"].append(W8A8Linear.from_compressed(t["w8"]))
-        layers["w4a16"].append(W4A16Linear.from_compressed(t["w4"], group_size=GROUP))
+        layers["w8a16"].append(TORCH_CPU.quantized_linear("w8a16", t["w8"]))
+        layers["w8a8"].append(TORCH_CPU.quantized_linear("w8a8", t["w8"]))
+        layers["w4a16"].append(TORCH_CPU.quantized_linear("w4a16", t["w4"], GROUP))
     return layers
 
 
@@ -111,8 +112,8 @@ def accuracy(k=HIDDEN, n=INTER, m=8):
     exact = x64 @ w.double().t()
     own = {"fp32": exact, "bf16": exact, "w8a16": x64 @ w8.t(), "w8a8": x64 @ w8.t(), "w4a16": x64 @ w4.t()}
     layers = {"fp32": lambda x: F.linear(x, w), "bf16": lambda x: F.linear(x.bfloat16(), w.bfloat16()).float(),
-              "w8a16": W8A16Linear.from_compressed(t["w8"]), "w8a8": W8A8Linear.from_compressed(t["w8"]),
-              "w4a16": W4A16Linear.from_compressed(t["w4"], group_size=GROUP)}
+              "w8a16": TORCH_CPU.quantized_linear("w8a16", t["w8"]), "w8a8": TORCH_CPU.quantized_linear("w8a8", t["w8"]),
+              "w4a16": TORCH_CPU.quantized_linear("w4a16", t["w4"], GROUP)}
     rel = lambda y, r: ((y.double() - r).norm() / r.norm()).item()  # noqa: E731
     return {p: (rel(layer(x), exact), rel(layer(x), own[p])) for p, layer in layers.items()}
 

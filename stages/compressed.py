@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmopt.kernels import dequantize
+
 from .ctpack import pack_to_int32, pack_zero_point, unpack_from_int32, unpack_zero_point
 from .errors import ArtifactError
 
@@ -139,13 +141,9 @@ def decompress_linear(state: dict, name: str, scheme: LinearScheme) -> tuple[tor
 
 
 def dequantize_codes(q: torch.Tensor, scale: torch.Tensor, zero_point, dtype: torch.dtype) -> torch.Tensor:
-    """Dense weight [out, in] = (q - zero) * scale, group width inferred from the scale's shape."""
-    out, inp = q.shape
-    groups = scale.shape[1]
-    x = q.view(out, groups, inp // groups).float()  # [out, G, g]
-    if zero_point is not None:
-        x = x - zero_point.float().unsqueeze(-1)
-    return (x * scale.float().unsqueeze(-1)).reshape(out, inp).to(dtype)
+    """Dense weight [out, in] = (q - zero) * scale computed in fp32 (`llmopt.kernels.dequantize`, group width
+    inferred from the scale's shape), then cast to `dtype`."""
+    return dequantize(q, scale, zero_point).to(dtype)
 
 
 def materialize(model, state: dict, qconfig: dict, dtype: torch.dtype) -> dict:
@@ -173,9 +171,11 @@ def materialize(model, state: dict, qconfig: dict, dtype: torch.dtype) -> dict:
 
 
 def _swap_w8a8(model, name: str, q, scale, bias) -> None:
-    from llmopt.kernels import W8A8Linear
+    from llmopt.kernels import select_backend
 
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name)
-    module = W8A8Linear.from_compressed({"weight": q.contiguous(), "weight_scale": scale.float()}, bias=bias)
-    setattr(parent, child, module)
+    # The eval path runs on CPU; W8A8 takes fbgemm on both CPU backends, so the native library is not needed.
+    layer = select_backend("cpu-torch").quantized_linear("w8a8", {"weight": q.contiguous(), "weight_scale": scale.float()},
+                                                         bias=bias)
+    setattr(parent, child, layer)

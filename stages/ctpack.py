@@ -77,8 +77,8 @@ def pack_int4(q: Tensor) -> Tensor:
     return pack_to_int32(q, 4)
 
 
-def unpack_int4(packed: Tensor, in_features: int) -> Tensor:
-    """int32 [out, ceil(in / 8)] -> int4 codes int8 [out, in]."""
+def unpack_int4_signed(packed: Tensor, in_features: int) -> Tensor:
+    """int32 [out, ceil(in / 8)] -> signed int4 codes int8 [out, in] in [-8, 7] (the stored value - 8)."""
     return unpack_from_int32(packed, 4, (packed.shape[0], in_features))
 
 

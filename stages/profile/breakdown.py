@@ -6,10 +6,10 @@ alike, and medians keep one slow step from skewing either; `ratio` = (sum of the
 (median plain step time). What no hook covers (embedding, attention metadata, final norm, logits
 to fp32) is reported as `unattributed_ms`, not hidden.
 
-A CPU decode step of few sequences normally runs every decoder layer in one native call
-(`Runtime.native_decode`), which no hook or profiler sees into. The breakdowns therefore run the
-per-layer path, which calls the same kernels in the same order one by one; `fused_step_ms` reports the
-step as served (median, interleaved with the others) beside it.
+A CPU decode step of few sequences normally runs every decoder layer in one native call (the backend's
+fused decode step), which no hook or profiler sees into. The breakdowns therefore run the per-layer
+path (`runner.execute(step, fused=False)`), which calls the same kernels in the same order one by one;
+`fused_step_ms` reports the step as served (median, interleaved with the others) beside it.
 """
 from __future__ import annotations
 
@@ -51,17 +51,6 @@ def _timing_hooks(modules: dict, spent: dict, device: torch.device):
             handle.remove()
 
 
-@contextmanager
-def per_layer_path(runtime):
-    """While the block runs, the runtime runs layer by layer (no fused native decode call)."""
-    fused = getattr(runtime, "native_decode", None)
-    runtime._native_decode = None
-    try:
-        yield
-    finally:
-        runtime._native_decode = fused
-
-
 def layer_breakdown(runner: ModelRunner, step: StepInput, steps: int) -> dict:
     """Median ms per decoder layer and lm_head against the median plain step time of the same step
     (on the per-layer path; `fused_step_ms`: the same step as served)."""
@@ -73,14 +62,12 @@ def layer_breakdown(runner: ModelRunner, step: StepInput, steps: int) -> dict:
     plain, hooked, served = [], [], []
     for _ in range(2):  # warm-up: the first calls after a change of shape set up kernels and buffers
         runner.execute(step)
-        with per_layer_path(runtime):
-            runner.execute(step)
+        runner.execute(step, fused=False)
     for _ in range(steps):  # alternate, so noise on the shared machine hits all alike
         served.append(timed(lambda: runner.execute(step), device))
-        with per_layer_path(runtime):
-            plain.append(timed(lambda: runner.execute(step), device))
-            with _timing_hooks(modules, spent, device):
-                hooked.append(timed(lambda: runner.execute(step), device))
+        plain.append(timed(lambda: runner.execute(step, fused=False), device))
+        with _timing_hooks(modules, spent, device):
+            hooked.append(timed(lambda: runner.execute(step, fused=False), device))
     rows = [{"name": name, "ms": statistics.median(spent[name]) * 1e3} for name in modules]
     total = sum(r["ms"] for r in rows)
     step_ms = statistics.median(plain) * 1e3
@@ -100,12 +87,11 @@ def op_breakdown(runner: ModelRunner, step: StepInput, steps: int, top: int) -> 
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     device = runner.kv_cache.device
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with per_layer_path(runner.runtime):
-        runner.execute(step)  # warm-up outside the trace
-        with profile(activities=activities) as prof:
-            for _ in range(steps):
-                runner.execute(step)
-            synchronize(device)
+    runner.execute(step, fused=False)  # warm-up outside the trace
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            runner.execute(step, fused=False)
+        synchronize(device)
     attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     events = [e for e in prof.key_averages() if getattr(e, attr) > 0]
     total_us = sum(getattr(e, attr) for e in events)

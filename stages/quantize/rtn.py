@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+import llmopt.kernels as kernels
+
 from ..errors import ConfigError
 
 AUTO_GROUP_SIZES = (128, 64, 32)
@@ -153,11 +155,8 @@ def quantize(w: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantArg
 
 
 def dequantize(q: Tensor, scale: Tensor, zero_point: Tensor | None, args: QuantArgs) -> Tensor:
-    """Float weights (scale's dtype) [out, in] from codes: (q - zero) * scale."""
-    x = _groups(q, args).to(scale.dtype)  # [out, in/g, g]
-    if zero_point is not None:
-        x = x - zero_point.unsqueeze(-1).to(scale.dtype)
-    return (x * scale.unsqueeze(-1)).reshape(q.shape)
+    """Float weights (scale's dtype) [out, in] from codes: (q - zero) * scale (`llmopt.kernels.dequantize`)."""
+    return kernels.dequantize(q, scale, zero_point, group_width(q.shape[1], args), scale.dtype)
 
 
 def fake_quantize(w: Tensor, args: QuantArgs, scale: Tensor | None = None,

@@ -2,11 +2,11 @@
 
 The runtime is built on the meta device; the projections are made from the memory-mapped
 safetensors tensors (q/k/v and gate/up concatenated along the output dimension when they share a
-scheme), then the remaining tensors (embedding, norms) are assigned without a copy unless the
-dtype or device changes. Quantized artifacts (compressed-tensors W4A16/W8A16 pack-quantized,
-W8A8 int-quantized) load into the quantized linears of `llmopt.kernels`, with each Linear's
-group size as its config group records it. An int8 embedding (`--embeddings int8`) stays int8 in
-memory; a tied lm_head is then an int8 linear over the same codes.
+scheme) by the backend (`llmopt.kernels.select_backend`, chosen once here), then the remaining tensors
+(embedding, norms) are assigned without a copy unless the dtype or device changes. Quantized
+artifacts (compressed-tensors W4A16/W8A16 pack-quantized, W8A8 int-quantized) hand each Linear's
+tensors and the group size its config group records to the backend. An int8 embedding
+(`--embeddings int8`) stays int8 in memory; a tied lm_head is then an int8 linear over the same codes.
 """
 from __future__ import annotations
 
@@ -16,15 +16,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llmopt.kernels import W4A16Linear, W8A8Linear, W8A16Linear, build_cos_sin_cache, w4a16_dequantize
-from llmopt.kernels.wq_matmul import dequantize_ref, resolve_group_size
+from llmopt.kernels import Backend, KernelBackendError, build_cos_sin_cache, select_backend
 
 from ..compressed import LinearScheme, decompress_linear, parse_schemes
 from ..ctpack import pack_zero_point, unpack_zero_point
 from ..errors import ArtifactError, ConfigError, SourceError
 from ..model_io import parse_dtype
 from ..safetensors_io import load_dir, weight_files
-from .model import ConcatLinear, DenseLinear, Runtime, spec_from_config
+from .model import ConcatLinear, Runtime, spec_from_config
 
 PROJECTIONS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
                "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
@@ -58,12 +57,12 @@ def sharded_artifact(ref):
     return art if art.tensor_parallel else None
 
 
-def load_runtime(ref, device="cpu", dtype=None, linear_backend: str | None = None):
+def load_runtime(ref, device="cpu", dtype=None, backend: "str | Backend" = "auto"):
     """(runtime, tokenizer, config dict) for a source ref (alias, GGUF, HF dir, artifact) or directory.
 
     dtype: None keeps the checkpoint's dtype (a torch.dtype or fp32/bf16/fp16 also work).
-    linear_backend: None picks the fastest path per device; "torch" forces the quantized linears'
-    reference twins (exact dequantized fp32 matmuls, for tests).
+    backend: "auto" (the fastest for the device), "cpu-native", "cpu-torch", "triton" or "reference" (every
+    op's exact torch twin), or a Backend built by the caller; ConfigError for one that cannot run here.
     """
     from ..model_io import load_tokenizer
 
@@ -73,7 +72,7 @@ def load_runtime(ref, device="cpu", dtype=None, linear_backend: str | None = Non
     if not files:
         raise ArtifactError(f"{directory}: no safetensors weights (the serve runtime loads safetensors only)")
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
-    runtime = build_runtime(config, load_dir(directory, files), torch.device(device), dtype, linear_backend)
+    runtime = build_runtime(config, load_dir(directory, files), torch.device(device), dtype, backend)
     return runtime, load_tokenizer(directory), config
 
 
@@ -92,16 +91,19 @@ def _stored_dtype(state: dict) -> torch.dtype:
     return torch.float32
 
 
-def build_runtime(config: dict, state: dict, device: torch.device, dtype=None, linear_backend=None) -> Runtime:
-    """A Runtime for `config` with the tensors of `state` (HF names, compressed-tensors layout if quantized)."""
+def build_runtime(config: dict, state: dict, device: torch.device, dtype=None,
+                  backend: "str | Backend" = "auto") -> Runtime:
+    """A Runtime for `config` with the tensors of `state` (HF names, compressed-tensors layout if quantized),
+    its modules built by `backend` (a name for `select_backend`, or a Backend)."""
     spec = spec_from_config(config)
     qconfig = config.get("quantization_config")
     if qconfig and qconfig.get("quant_method") == "bitsandbytes":
         raise ConfigError("bitsandbytes artifacts cannot be served; quantize with --method rtn/gptq/awq/smoothquant")
     dtype = dtype or _stored_dtype(state)
+    backend = _backend(backend, device, dtype)
     with torch.device("meta"):
-        runtime = Runtime(spec, dtype)
-    weights = _Weights(state, qconfig, spec.num_layers, device, dtype, linear_backend)
+        runtime = Runtime(spec, backend, dtype)
+    weights = _Weights(state, qconfig, spec.num_layers, device, dtype, backend)
     for i, layer in enumerate(runtime.layers):
         for attr, parts in PROJECTIONS.items():
             setattr(layer, attr, weights.linear([f"model.layers.{i}.{p}" for p in parts]))
@@ -118,6 +120,16 @@ def build_runtime(config: dict, state: dict, device: torch.device, dtype=None, l
     if on_meta:
         raise ArtifactError(f"weights missing from the safetensors files: {', '.join(on_meta[:5])}")
     return runtime.eval()
+
+
+def _backend(backend: "str | Backend", device: torch.device, dtype: torch.dtype) -> Backend:
+    """The Backend itself, or the one `select_backend` picks for the name (ConfigError: it cannot run here)."""
+    if not isinstance(backend, str):
+        return backend
+    try:
+        return select_backend(backend, device, dtype)
+    except KernelBackendError as e:  # one line that names the backend and why
+        raise ConfigError(str(e)) from None
 
 
 class _Weights:
@@ -159,11 +171,11 @@ class _Weights:
         return q.to(self.device), scale.to(self.device)
 
     def tied_lm_head(self, table: torch.Tensor, scale: torch.Tensor | None) -> nn.Module:
-        """A tied model's lm_head: the embedding matrix; an int8 one runs through the int8 linear on its codes."""
+        """A tied model's lm_head: the embedding matrix; an int8 one runs as an int8 linear on its codes."""
         if scale is None:
-            return DenseLinear.of(table).prepare_cpu()
-        layer = _quant_linear(self.schemes[EMBED], [{"weight": table, "weight_scale": scale}], None, self.backend)
-        return self._on_cpu_kernels(layer, None)
+            return self.backend.dense_linear(table)
+        return self.backend.quantized_linear("w8a16", {"weight": table, "weight_scale": scale},
+                                             self.schemes[EMBED].group_size)
 
     def linear(self, names: list[str]) -> nn.Module:
         """One module computing the concatenated outputs of the Linears `names`."""
@@ -173,22 +185,9 @@ class _Weights:
         scheme = schemes.pop()
         bias = self._bias(names)
         if scheme is None:
-            return DenseLinear.of(_cat([self.tensor(f"{n}.weight") for n in names]), bias).prepare_cpu()
-        layer = _quant_linear(scheme, [self._quant_part(n, scheme) for n in names], bias, self.backend)
-        return self._on_cpu_kernels(layer, bias)
-
-    def _on_cpu_kernels(self, layer: nn.Module, bias) -> nn.Module:
-        """`layer`, or with (or as) a dense copy where no CPU kernel takes its layout."""
-        weight_only = isinstance(layer, (W4A16Linear, W8A16Linear))
-        if weight_only and self.backend is None and self.device.type == "cpu" and layer.cpu_weight is None:
-            # No torch CPU kernel takes this layout (group-wise int8, odd shapes): its reference twin would
-            # dequantize the whole weight on every call (~8x slower than dense here). Dequantize once: as
-            # the layer's fallback beyond the rows its native GEMV serves, or as the layer itself.
-            dense = DenseLinear.of(_dequantized(layer).to(self.dtype), bias)
-            if layer.native is None:
-                return dense.prepare_cpu()
-            layer.dense = dense.prepare_cpu(native=False)
-        return layer
+            return self.backend.dense_linear(_cat([self.tensor(f"{n}.weight") for n in names]), bias)
+        fmt, tensors = _fused_tensors(scheme, [self._quant_part(n, scheme) for n in names])
+        return self.backend.quantized_linear(fmt, tensors, scheme.group_size, bias)
 
     def _bias(self, names: list[str]) -> torch.Tensor | None:
         if not any(f"{n}.bias" in self.state for n in names):
@@ -227,29 +226,19 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
 
 
-def _dequantized(layer: nn.Module) -> torch.Tensor:
-    """The dense fp32 weight [N, K] = (q - zero) * scale that a quantized linear represents."""
-    if isinstance(layer, W4A16Linear):
-        return w4a16_dequantize(layer.weight_packed, layer.weight_scale, layer.in_features, layer.weight_zero_point,
-                                layer.group_size)
-    group = resolve_group_size(layer.in_features, layer.weight_scale, layer.group_size)
-    zero = 0 if layer.weight_zero_point is None else layer.weight_zero_point
-    return dequantize_ref(layer.weight, layer.weight_scale, zero, group)
-
-
-def _quant_linear(scheme: LinearScheme, parts: list[dict], bias, backend) -> nn.Module:
-    """A kernel linear over the parts concatenated along the output dimension (same scheme, same K)."""
+def _fused_tensors(scheme: LinearScheme, parts: list[dict]) -> tuple[str, dict]:
+    """(format, compressed-tensors tensors) of the parts concatenated along the output dimension (same
+    scheme, same K), as `Backend.quantized_linear` takes them."""
     if len({p.get("in_features") for p in parts}) > 1:
         raise ArtifactError("fused projections disagree on their input size")
     t = {k: _cat([p[k] for p in parts]) for k in parts[0] if k != "in_features"}
-    group = None if scheme.group_size == -1 else scheme.group_size
     if scheme.activations:
-        return W8A8Linear.from_compressed(t, bias=bias, backend=backend)
+        return "w8a8", t
     if scheme.bits == 8:
         if "zero" in t:
             t["weight_zero_point"] = t.pop("zero")
-        return W8A16Linear.from_compressed(t, group, bias=bias, backend=backend)
+        return "w8a16", t
     t["weight_shape"] = torch.tensor([t["weight_packed"].shape[0], parts[0]["in_features"]])
     if "zero" in t:  # packed along the output dim: repack the concatenation
         t["weight_zero_point"] = pack_zero_point(t.pop("zero"), 4)
-    return W4A16Linear.from_compressed(t, group, bias=bias, backend=backend)
+    return "w4a16", t

@@ -1,9 +1,11 @@
 """ModelRunner: owns the paged KV cache and runs one StepInput through the runtime.
 
 The cache is allocated once, as one tensor [layers, num_blocks, block_size, 2, Hk, D]: a token's
-key and value sit side by side, so the CPU path writes and gathers both with one op. Per layer,
+key and value sit side by side, so the CPU backends write and gather both with one op. Per layer,
 `k_caches[l]` and `v_caches[l]` are its [num_blocks, block_size, Hk, D] views with shared
 strides, the layout `llmopt.kernels.paged_attention` takes.
+Everything device-specific comes from the backend the runtime was loaded with (`runtime.backend`):
+each step's attention object, the fused decode step (built once, here) and the matmul prebuild.
 Its size comes from `--kv-cache-memory`: a byte count ("4GiB", "512MB", 1e9) or a fraction of the
 memory free once the weights are loaded ("0.5"; CPU: MemAvailable, CUDA: cudaMemGetInfo).
 """
@@ -15,10 +17,11 @@ import re
 
 import torch
 
+from llmopt.kernels import StepMetadata
+
 from ..errors import ConfigError
-from .attention import attention_for
 from .batch import StepInput
-from .model import ModelSpec, Runtime, prebuild_row_buckets
+from .model import ModelSpec, Runtime
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
@@ -76,17 +79,20 @@ def num_kv_blocks(spec: ModelSpec, kv_cache_memory, block_size: int, dtype: torc
 
 
 class ModelRunner:
-    """Runs StepInputs on a Runtime over a paged KV cache it owns."""
+    """Runs StepInputs on a Runtime over a paged KV cache it owns, with the runtime's backend.
+
+    prebuild: whether `prebuild_matmuls` builds the backend's per-shape matmul primitives (CPU: oneDNN's,
+    seconds for SmolLM2, tens for an 8B model); without it memory grows as serving meets new batch sizes.
+    """
 
     def __init__(self, runtime: Runtime, num_blocks: int, block_size: int = 16, kv_dtype: torch.dtype | None = None,
-                 kernels: bool | None = None):
-        """`kernels`: None picks by device (CUDA: Triton kernels, CPU: torch paths); True on CPU runs the
-        Triton kernels under the interpreter (slow; tests the CUDA code path)."""
+                 prebuild: bool = True):
         spec = runtime.spec
         if num_blocks < 1 or block_size < 1:
             raise ConfigError(f"the KV cache needs at least one block of at least one token "
                               f"(got {num_blocks} blocks of {block_size})")
         self.runtime, self.num_blocks, self.block_size = runtime, num_blocks, block_size
+        self.backend, self.prebuild = runtime.backend, prebuild
         self.kv_dtype = kv_dtype or runtime.dtype
         shape = (spec.num_layers, num_blocks, block_size, 2, spec.num_kv_heads, spec.head_dim)
         # Zeroed, not left empty: padded gathers may read never-written slots, and 0 * NaN would leak.
@@ -96,17 +102,17 @@ class ModelRunner:
         self.kv_cache = torch.empty(shape, dtype=self.kv_dtype, device=runtime.device).zero_()
         self.kv_caches = list(self.kv_cache)
         self.k_caches, self.v_caches = [c[:, :, 0] for c in self.kv_caches], [c[:, :, 1] for c in self.kv_caches]
-        self.scale, self.kernels = spec.head_dim ** -0.5, kernels
+        self.scale = spec.head_dim ** -0.5
+        self.fused_decode = self.backend.fused_decode(runtime.layers)  # None where the backend has none
 
     @torch.inference_mode()
     def prebuild_matmuls(self, max_tokens: int, max_seqs: int) -> int:
-        """CPU: build oneDNN's per-shape matmul primitives for every row bucket now (see
-        `model.prebuild_row_buckets`), so RSS does not grow while serving. CUDA / kernels: nothing.
-        The cost grows with one layer's size times the buckets (seconds for SmolLM2, tens for an 8B
-        model): `LLMOPT_PREBUILD=0` skips it, and memory then grows as new batch sizes are met."""
-        if self.kv_cache.device.type != "cpu" or self.kernels or os.environ.get("LLMOPT_PREBUILD", "1") == "0":
+        """Build the backend's per-shape matmul primitives for every row count a step can bring now (CPU:
+        oneDNN's, see `kernels.cpu_linear.prebuild_row_buckets`), so memory does not grow while serving.
+        Returns the calls made: 0 with `prebuild=False` or where the backend has nothing to build."""
+        if not self.prebuild:
             return 0
-        return prebuild_row_buckets(self.runtime, max_tokens, max_seqs)
+        return self.backend.prebuild(self.runtime, max_tokens, max_seqs)
 
     @classmethod
     def with_memory(cls, runtime: Runtime, kv_cache_memory, block_size: int = 16, kv_dtype=None) -> "ModelRunner":
@@ -125,13 +131,18 @@ class ModelRunner:
         return self.runtime.spec.max_positions
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> torch.Tensor:
-        """fp32 logits [R, vocab] for the rows `step.logits_indices` of the flat batch."""
+    def execute(self, step: StepInput, fused: bool = True) -> torch.Tensor:
+        """fp32 logits [R, vocab] for the rows `step.logits_indices` of the flat batch.
+
+        fused: let the backend's fused decode step take the steps it can (False: layer by layer, the
+        same kernels in the same order one call each, bit-identical; what `llmopt profile` times)."""
         step = self._on_device(step)
-        attn = attention_for(step, self.runtime.cos_sin_cache, self.scale, self.block_size, self.runtime.dtype,
-                             self.kernels)
-        x, residual = self.runtime(step.token_ids, attn, self.kv_cache)
-        return self.runtime.compute_logits(x, residual, step.logits_indices, attn.op_backend)
+        meta = StepMetadata(step.positions, step.cu_seqlens_q, step.context_lens, step.block_tables,
+                            step.slot_mapping, step.max_query_len)
+        attn = self.backend.attention(meta, self.runtime.cos_sin_cache, self.scale, self.block_size,
+                                      self.runtime.dtype)
+        x, residual = self.runtime(step.token_ids, attn, self.kv_cache, self.fused_decode if fused else None)
+        return self.runtime.compute_logits(x, residual, step.logits_indices)
 
     def _on_device(self, step: StepInput) -> StepInput:
         device = self.kv_cache.device

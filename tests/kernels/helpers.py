@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -76,3 +77,24 @@ def quantize_int8(w: torch.Tensor, symmetric: bool = True):
 
 def to(tensors: dict, device) -> dict:
     return {name: t.to(device) for name, t in tensors.items()}
+
+
+# Before kineto's first start in this process: otherwise every trace prints "USDT: profiler_start" lines.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+KERNELS = ("llmopt::", "mkldnn::", "aten::mm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
+           "quantized::linear_dynamic", "aten::linear")
+
+
+def kernel_calls(fn, prefixes=KERNELS) -> list[tuple[str, list]]:
+    """(name, input shapes) of the kernels `fn()` ran, in order, as torch.profiler records them: native calls as
+    `llmopt::<name>`, oneDNN's linear as `mkldnn::_linear_pointwise` ([rows, K], weight [N, K], bias, ...)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return [(e.name, e.input_shapes) for e in prof.events() if e.name.startswith(prefixes)]
+
+
+def kernel_names(fn, prefixes=KERNELS) -> list[str]:
+    """The names of the kernels `fn()` ran, in order (see `kernel_calls`)."""
+    return [name for name, _ in kernel_calls(fn, prefixes)]

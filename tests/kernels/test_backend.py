@@ -1,4 +1,5 @@
-"""Dispatch by device, explicit overrides, cheap import, interpreter regardless of import order."""
+"""Backends chosen once by name and device; per-op dispatch by device and explicit overrides; cheap import;
+the interpreter regardless of import order."""
 import os
 import subprocess
 import sys
@@ -7,21 +8,61 @@ import textwrap
 import pytest
 import torch
 
-from llmopt.kernels import KernelBackendError, rms_norm
-from llmopt.kernels._backend import pick_backend
-from tests.kernels.helpers import requires_triton
+from llmopt.kernels import BACKENDS, KernelBackendError, cpu_native, rms_norm, rms_norm_ref, select_backend
+from llmopt.kernels.cpu_backends import CpuNativeBackend, CpuTorchBackend
+from llmopt.kernels.op_backends import ReferenceBackend, TritonBackend
+from tests.kernels.helpers import HAS_TRITON, requires_triton
 
 
-def test_device_picks_the_backend():
-    assert pick_backend(torch.zeros(1), None) == "torch"
-    assert pick_backend(torch.zeros(1), "torch") == "torch"
-    if torch.cuda.is_available():
-        assert pick_backend(torch.zeros(1, device="cuda"), None) == "triton"
+def test_op_default_on_cpu_tensors_is_the_torch_twin():
+    x, w, r = torch.randn(3, 40), torch.rand(40), torch.randn(3, 40)
+    assert torch.equal(rms_norm(x, w), rms_norm_ref(x, w, 1e-6))
+    assert torch.equal(rms_norm(x, w, backend="torch"), rms_norm_ref(x, w, 1e-6))
+    out, res = rms_norm(x, w, residual=r.clone())
+    assert torch.equal(out, rms_norm_ref(x, w, 1e-6, r)[0]) and torch.equal(res, x + r)
+    if torch.cuda.is_available():  # CUDA tensors: the Triton kernel
+        xc, wc = x.cuda(), w.cuda()
+        assert torch.equal(rms_norm(xc, wc), rms_norm(xc, wc, backend="triton"))
 
 
-def test_unknown_backend_is_a_clear_error():
+def test_unknown_op_backend_is_a_clear_error():
     with pytest.raises(KernelBackendError, match="unknown kernel backend 'cuda'"):
         rms_norm(torch.ones(2, 4), torch.ones(4), backend="cuda")
+
+
+def test_auto_picks_by_device_and_dtype():
+    native = cpu_native.gemv_available()
+    assert type(select_backend()) is (CpuNativeBackend if native else CpuTorchBackend)
+    assert type(select_backend("auto", "cpu", torch.bfloat16)) is type(select_backend())
+    assert type(select_backend("auto", "cpu", torch.float16)) is CpuTorchBackend  # no native fp16 kernels
+    cuda = TritonBackend if HAS_TRITON else ReferenceBackend  # a device, not a live GPU: nothing runs yet
+    assert type(select_backend("auto", "cuda")) is cuda
+
+
+@requires_triton
+def test_every_name_builds_where_it_runs():
+    assert BACKENDS == ("auto", "cpu-native", "cpu-torch", "triton", "reference")
+    for name in BACKENDS[2:]:
+        backend = select_backend(name)
+        assert backend.name == name and backend.device == torch.device("cpu")
+    assert type(select_backend("reference", "cuda:1")) is ReferenceBackend
+    assert select_backend("triton", "cuda").device == torch.device("cuda")
+
+
+def test_names_that_cannot_run_here_say_why_in_one_line():
+    with pytest.raises(KernelBackendError, match=r"^unknown backend 'gpu'; use one of auto, cpu-native, "):
+        select_backend("gpu")
+    for name in ("cpu-torch", "cpu-native"):
+        with pytest.raises(KernelBackendError, match=f"^{name}: runs on CPU only, not on cuda"):
+            select_backend(name, "cuda")
+    if cpu_native.gemv_available():
+        with pytest.raises(KernelBackendError, match="^cpu-native: native kernels take fp32 or bf16, not float16"):
+            select_backend("cpu-native", "cpu", torch.float16)
+
+
+def test_cpu_backends_take_their_tuning_as_constructor_arguments():
+    backend = CpuTorchBackend(group_overhead_keys=0)
+    assert backend.group_overhead_keys == 0 and select_backend("cpu-torch").group_overhead_keys == 384
 
 
 @requires_triton

@@ -85,22 +85,42 @@ def test_bad_inputs_are_refused_with_a_message():
         cpu_native.paged_decode(q, cache.view(-1, 384)[:, :300], tables, lens, 0.1, 4)
 
 
+PROBE = """
+from llmopt.kernels import KernelBackendError, cpu_native, select_backend
+print(cpu_native.available())
+print(cpu_native.why_unavailable())
+print(select_backend("auto").name)
+try:
+    select_backend("cpu-native")
+    print("built")
+except KernelBackendError as e:
+    print(e)
+"""
+
+
 def _probe(env):
-    """available() and why_unavailable() in a fresh interpreter (the library is cached per process)."""
-    code = "from llmopt.kernels import cpu_native as c; print(c.available()); print(c.why_unavailable())"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    """(available(), why_unavailable(), what "auto" picks, what "cpu-native" says) in a fresh interpreter
+    (the library is built once per process)."""
+    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
 
 
-def test_disabled_or_broken_build_falls_back_and_caches_nothing(tmp_path, monkeypatch):
+def test_a_failed_build_falls_back_to_cpu_torch_and_caches_nothing(tmp_path):
     import os
 
     base = {**os.environ, "LLMOPT_CACHE_DIR": str(tmp_path)}
-    assert _probe({**base, "LLMOPT_NATIVE": "0"}) == ["False", "disabled by LLMOPT_NATIVE=0"]
-    available, why = _probe({**base, "CC": "false"})  # a "compiler" that always fails
-    assert available == "False" and why.startswith("native kernels not built: false failed")
+    available, why, auto, explicit = _probe({k: v for k, v in base.items() if k != "CC"} | {"PATH": str(tmp_path)})
+    assert (available, why, auto) == ("False", "no C compiler (gcc or cc) on PATH", "cpu-torch")
+    assert explicit == "cpu-native: native kernels not built: no C compiler (gcc or cc) on PATH"
+    available, why, auto, explicit = _probe({**base, "CC": "/nonexistent/cc"})  # a compiler that is not there
+    assert available == "False" and "/nonexistent/cc" in why and auto == "cpu-torch"
+    assert explicit.startswith("cpu-native: native kernels not built: ")
+    available, why, auto, _ = _probe({**base, "CC": "false"})  # a "compiler" that always fails
+    assert available == "False" and why.startswith("false failed") and auto == "cpu-torch"
     assert not any((tmp_path / "native").iterdir())  # no half-written library left behind
-    assert _probe(base)[0] == "True"
+    available, why, auto, explicit = _probe(base)
+    assert (available, why, explicit) == ("True", "None", "built")
+    assert auto == ("cpu-native" if cpu_native.gemv_available() else "cpu-torch")
     built = list((tmp_path / "native").iterdir())
     assert len(built) == 1 and built[0].suffix == ".so"

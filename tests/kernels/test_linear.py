@@ -1,15 +1,19 @@
-"""Quantized nn.Modules: CPU fast paths chosen at load, accuracy vs fp64, fallbacks, bias."""
+"""Linear layers as the backends build them: CPU kernels chosen at load by row count, accuracy vs fp64,
+fallbacks, bias; the quantized layers alone run the exact twin."""
 import pytest
 import torch
+import torch.nn.functional as F
 
-from llmopt.kernels import W4A16Linear, W8A8Linear, W8A16Linear, w4a16_dequantize
+from llmopt.kernels import W4A16Linear, W8A8Linear, cpu_native, select_backend, w4a16_dequantize, w4a16_matmul
+from llmopt.kernels.cpu_linear import DenseLinear
 from llmopt.kernels.cpu_quant import Int4CpuWeight, Int8CpuWeight, Int8DynamicCpuWeight, fbgemm_available
-from tests.kernels.helpers import quantize_int4, quantize_int8
+from tests.kernels.helpers import kernel_names, quantize_int4, quantize_int8
 
 # The CPU kernels run on bf16 activations (and bf16 scales for int4): relative error vs the
 # fp64 product of the same quantized weight stays below ~0.5%, far under the int4/int8 weight
 # rounding itself (several % / ~0.5%).
 CPU_REL_ERR = 1e-2
+needs_gemv = pytest.mark.skipif(not cpu_native.gemv_available(), reason="native GEMV needs a C compiler and AVX-512")
 
 
 def _rel_err(y, y64):
@@ -21,35 +25,40 @@ def _rel_err(y, y64):
 def test_w4a16_linear_uses_int4_cpu_kernel(k, n, group_size, symmetric):
     t = quantize_int4(torch.randn(n, k), group_size, symmetric)
     bias = torch.randn(n)
-    layer = W4A16Linear.from_compressed(t, group_size=group_size, bias=bias)
-    assert isinstance(layer.cpu_weight, Int4CpuWeight)
+    layer = select_backend("cpu-torch").quantized_linear("w4a16", t, group_size, bias)
+    assert isinstance(layer, W4A16Linear) and isinstance(layer.cpu_weight, Int4CpuWeight)
     x = torch.randn(3, 2, k)
     w = w4a16_dequantize(t["weight_packed"], t["weight_scale"], k, t.get("weight_zero_point"), group_size,
                          torch.float64)
     y64 = x.double() @ w.t() + bias.double()
+    assert kernel_names(lambda: layer(x)) == ["aten::_weight_int4pack_mm_for_cpu"]
     y = layer(x)
     assert y.shape == (3, 2, n) and y.dtype == torch.float32
     assert _rel_err(y, y64) < CPU_REL_ERR
-    layer.backend = "torch"
-    assert _rel_err(layer(x), y64) < 1e-6
+    reference = select_backend("reference").quantized_linear("w4a16", t, group_size, bias)
+    assert _rel_err(reference(x), y64) < 1e-6
 
 
 @pytest.mark.parametrize("k, n", [(100, 24), (64, 17)])  # K % 8 != 0 / N % 16 != 0
-def test_w4a16_linear_falls_back_to_reference(k, n):
+def test_w4a16_without_a_cpu_kernel_is_dequantized_once(k, n):
     t = quantize_int4(torch.randn(n, k), 32 if k % 32 == 0 else None, True)
-    layer = W4A16Linear.from_compressed(t, group_size=32 if k % 32 == 0 else None)
-    assert layer.cpu_weight is None
+    alone = W4A16Linear.from_compressed(t, group_size=32 if k % 32 == 0 else None)
     x = torch.randn(5, k)
-    torch.testing.assert_close(layer(x), layer.to(torch.float32).forward(x))
-    assert "reference" in repr(layer)
+    assert alone.cpu_weight is None and "cpu=" not in repr(alone)
+    exact = w4a16_matmul(x, t["weight_packed"], t["weight_scale"], group_size=alone.group_size, backend="torch")
+    assert torch.equal(alone(x), exact)  # a layer no backend routed: the exact twin
+    layer = select_backend("cpu-torch").quantized_linear("w4a16", t, alone.group_size)
+    assert isinstance(layer, DenseLinear)  # no int4 CPU kernel: one dense copy, on oneDNN
+    torch.testing.assert_close(layer(x), exact, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("k, n, symmetric, kernel", [(576, 40, True, True), (128, 16, False, True),
-                                                     (96, 16, True, False)])  # K % 64 != 0: reference
+                                                     (96, 16, True, False)])  # K % 64 != 0: a dense copy
 def test_w8a16_linear(k, n, symmetric, kernel):
     t = quantize_int8(torch.randn(n, k), symmetric)
-    layer = W8A16Linear.from_compressed(t)
-    assert isinstance(layer.cpu_weight, Int8CpuWeight) == kernel
+    layer = select_backend("cpu-torch").quantized_linear("w8a16", t)
+    assert isinstance(getattr(layer, "cpu_weight", None), Int8CpuWeight) == kernel
+    assert isinstance(layer, DenseLinear) != kernel
     x = torch.randn(4, k)
     zero = t.get("weight_zero_point", torch.zeros(1)).double()
     y64 = x.double() @ ((t["weight"].double() - zero) * t["weight_scale"].double()).t()
@@ -60,16 +69,19 @@ def test_w8a16_linear(k, n, symmetric, kernel):
 def test_w8a8_linear_fbgemm_is_per_token():
     k, n = 576, 64
     t = quantize_int8(torch.randn(n, k))
-    layer = W8A8Linear.from_compressed(t)
+    layer = select_backend("cpu-torch").quantized_linear("w8a8", t)
     assert isinstance(layer.cpu_weight, Int8DynamicCpuWeight)
     x = torch.randn(6, k) * torch.logspace(-3, 3, 6)[:, None]  # tokens of very different magnitude
     y64 = x.double() @ (t["weight"].double() * t["weight_scale"].double()).t()
+    assert kernel_names(lambda: layer(x)) == ["quantized::linear_dynamic"]
     y = layer(x)
-    ref = W8A8Linear.from_compressed(t, backend="torch")(x)
+    ref = select_backend("reference").quantized_linear("w8a8", t)(x)
     for row in range(6):  # every token keeps int8 precision, as with per-token quantization
         assert _rel_err(y[row], y64[row]) < 2 * max(_rel_err(ref[row], y64[row]), 2e-3)
     alone = layer(x[:1])  # the same token alone keeps the same precision
     assert _rel_err(alone[0], y64[0]) < 2 * max(_rel_err(ref[0], y64[0]), 2e-3)
+    native = select_backend("cpu-native").quantized_linear("w8a8", t) if cpu_native.gemv_available() else layer
+    assert native.native is None and kernel_names(lambda: native(x[:1])) == ["quantized::linear_dynamic"]
 
 
 def test_w8a8_rejects_asymmetric():
@@ -83,11 +95,10 @@ def test_modules_on_cuda_run_triton(dtype):
     k, n = 256, 64
     w = torch.randn(n, k)
     x = torch.randn(5, k, device="cuda", dtype=dtype)
-    layers = [W4A16Linear.from_compressed(quantize_int4(w, 64, False), group_size=64),
-              W8A16Linear.from_compressed(quantize_int8(w)), W8A8Linear.from_compressed(quantize_int8(w))]
-    for layer in layers:
-        expected = layer(x.float().cpu()).double()
-        y = layer.cuda()(x)
+    triton = select_backend("triton", "cuda")
+    for fmt, t in (("w4a16", quantize_int4(w, 64, False)), ("w8a16", quantize_int8(w)), ("w8a8", quantize_int8(w))):
+        expected = select_backend("cpu-torch").quantized_linear(fmt, t)(x.float().cpu()).double()
+        y = triton.quantized_linear(fmt, {name: v.cuda() for name, v in t.items()})(x)
         assert y.dtype == dtype and y.is_cuda
         assert _rel_err(y.cpu(), expected) < 2e-2
 
@@ -98,15 +109,66 @@ def test_large_batches_use_a_transient_bf16_weight(monkeypatch, group_size, symm
 
     k, n = 320, 32  # group 128: 320 % 128 != 0 takes the general dequantization, the others the grouped one
     t4, t8 = quantize_int4(torch.randn(n, k), group_size, symmetric), quantize_int8(torch.randn(n, k), symmetric)
-    pairs = [(W4A16Linear.from_compressed(t4, group_size=group_size),
-              W4A16Linear.from_compressed(t4, group_size=group_size, backend="torch")),
-             (W8A16Linear.from_compressed(t8), W8A16Linear.from_compressed(t8, backend="torch"))]
+    cpu, ref = select_backend("cpu-torch"), select_backend("reference")
+    pairs = [(cpu.quantized_linear("w4a16", t4, group_size), ref.quantized_linear("w4a16", t4, group_size)),
+             (cpu.quantized_linear("w8a16", t8), ref.quantized_linear("w8a16", t8))]
     x = torch.randn(5, k)
     kernel_out = [layer(x) for layer, _ in pairs]
     monkeypatch.setattr(cpu_quant, "DEQUANT_MIN_ROWS_W4", 2)
     monkeypatch.setattr(cpu_quant, "DEQUANT_MIN_ROWS_W8", 2)
     for (layer, reference), y_kernel in zip(pairs, kernel_out):
         assert layer.cpu_weight is not None
+        assert kernel_names(lambda: layer(x), ("aten::linear", "aten::_weight_int")) == ["aten::linear"]
         y = layer(x)
         assert _rel_err(y, reference(x).double()) < CPU_REL_ERR
         assert _rel_err(y, y_kernel.double()) < CPU_REL_ERR
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_routes_by_row_count(dtype):
+    # cpu-torch: MKL on W.T for one fp32 row, oneDNN beyond; cpu-native: the GEMV up to GEMV_MAX_ROWS rows
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(48, 40, generator=g).to(dtype), torch.randn(48, generator=g).to(dtype)
+    torch_cpu = select_backend("cpu-torch").dense_linear(weight, bias)
+    one_row = "aten::mm" if dtype == torch.float32 else "mkldnn::_linear_pointwise"
+    assert kernel_names(lambda: torch_cpu(torch.randn(1, 40).to(dtype))) == [one_row]
+    assert kernel_names(lambda: torch_cpu(torch.randn(2, 40).to(dtype))) == ["mkldnn::_linear_pointwise"]
+    if cpu_native.gemv_available():
+        native = select_backend("cpu-native").dense_linear(weight.clone(), bias)
+        most = cpu_native.GEMV_MAX_ROWS[dtype]
+        for rows in range(1, most + 3):
+            expected = "llmopt::gemv" if rows <= most else "mkldnn::_linear_pointwise"
+            assert kernel_names(lambda: native(torch.randn(rows, 40).to(dtype))) == [expected], rows
+
+
+def _group_wise_int8(n, k, group):
+    t = quantize_int8(torch.randn(n, k))
+    return t | {"weight_scale": t["weight_scale"].repeat(1, k // group)}  # [N, K / group]: equal, yet group-wise
+
+
+NATIVE_CASES = {  # (format, tensors, group size, the kernel beyond the GEMV's rows)
+    "w4-int4pack": ("w4a16", lambda: quantize_int4(torch.randn(64, 128), 32, False), 32,
+                    "aten::_weight_int4pack_mm_for_cpu"),
+    "w4-n36-dense": ("w4a16", lambda: quantize_int4(torch.randn(36, 128), 32, True), 32,  # N % 16: no int4 kernel
+                     "mkldnn::_linear_pointwise"),
+    "w8-int8pack": ("w8a16", lambda: quantize_int8(torch.randn(64, 128)), None, "aten::_weight_int8pack_mm"),
+    "w8-group-dense": ("w8a16", lambda: _group_wise_int8(64, 128, 32), 32, "mkldnn::_linear_pointwise"),
+}
+
+
+@needs_gemv
+@pytest.mark.parametrize("case", NATIVE_CASES)
+def test_native_quantized_routes_by_row_count(case):
+    # the GEMV up to its rows; beyond, torch's kernel where one takes the layout, else the dense copy on oneDNN
+    fmt, make, group, beyond = NATIVE_CASES[case]
+    t = make()
+    layer = select_backend("cpu-native").quantized_linear(fmt, t, group)
+    most = cpu_native.W4_MAX_ROWS if fmt == "w4a16" else cpu_native.W8_MAX_ROWS
+    assert layer.native is not None and layer.native.max_rows == most
+    assert (layer.dense is not None) == (beyond == "mkldnn::_linear_pointwise")
+    reference = select_backend("reference").quantized_linear(fmt, t, group)
+    for rows in (1, most, most + 1, 40):
+        x = torch.randn(rows, 128)
+        assert kernel_names(lambda: layer(x))[0] == (f"llmopt::gemv_w{fmt[1]}" if rows <= most else beyond), rows
+        tol = 1e-5 if rows <= most or beyond.startswith("mkldnn") else CPU_REL_ERR  # fp32 vs bf16 kernels
+        assert _rel_err(layer(x), reference(x).double()) < tol

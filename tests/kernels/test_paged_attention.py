@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from llmopt.kernels import PrefillMetadata, paged_attention_decode, paged_attention_prefill, write_kv_cache
+from llmopt.kernels import StepMetadata, paged_attention_decode, paged_attention_prefill, write_kv_cache
 from tests.kernels.helpers import assert_close, requires_triton
 
 pytestmark = requires_triton
@@ -101,8 +101,9 @@ def test_prefill_with_cached_prefix_matches_dense(device_dtype, ctx_lens, q_lens
         slots = sum((batch.slots(s, batch.new_positions(s)) for s in range(len(ctx_lens))), [])
         cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
-        meta = PrefillMetadata(cu.to(device), batch.block_tables, ctx,
-                               torch.tensor(slots, dtype=torch.long, device=device), max(q_lens))
+        positions = torch.cat([torch.arange(c - ql, c) for c, ql in zip(ctx_lens, q_lens)]).to(device)
+        meta = StepMetadata(positions, cu.to(device), ctx, batch.block_tables,
+                            torch.tensor(slots, dtype=torch.long, device=device), max(q_lens))
         q = torch.randn(sum(q_lens), hq, d, generator=torch.Generator().manual_seed(1)).to(device, dtype)
         results[backend] = paged_attention_prefill(q, k, v, batch.k_cache, batch.v_cache, meta, d ** -0.5,
                                                    backend=backend)

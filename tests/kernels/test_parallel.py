@@ -4,7 +4,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from llmopt.kernels import ColumnParallelLinear, RowParallelLinear, W4A16Linear, W8A16Linear, shard
+from llmopt.kernels import ColumnParallelLinear, RowParallelLinear, select_backend, shard
 from tests.kernels.helpers import quantize_int4, quantize_int8
 
 K, INTER = 128, 64
@@ -22,8 +22,9 @@ def _mlp(weights, rank, world, group):
     up = {"weight_packed": shard(up["weight_packed"], 0, rank, world),  # column parallel: split N
           "weight_scale": shard(up["weight_scale"], 0, rank, world), "weight_shape": torch.tensor([INTER // world, K])}
     down = {"weight": shard(down["weight"], 1, rank, world), "weight_scale": down["weight_scale"]}  # row: split K
-    col = ColumnParallelLinear(W4A16Linear.from_compressed(up, group_size=32), group)
-    row = RowParallelLinear(W8A16Linear.from_compressed(down), group, bias=bias)
+    cpu = select_backend("cpu-torch")  # torch's int4 / int8 CPU kernels inside the wrappers
+    col = ColumnParallelLinear(cpu.quantized_linear("w4a16", up, 32), group)
+    row = RowParallelLinear(cpu.quantized_linear("w8a16", down), group, bias=bias)
     return lambda x: row(torch.relu(col(x)))
 
 
@@ -43,8 +44,9 @@ def test_world_of_one_is_the_plain_layer():
     weights = _weights()
     y = _mlp(weights, 0, 1, None)(weights[3])
     up, down, bias, x = weights
-    dense_up = W4A16Linear.from_compressed(up, group_size=32)
-    dense_down = W8A16Linear.from_compressed(down, bias=bias)
+    cpu = select_backend("cpu-torch")
+    dense_up = cpu.quantized_linear("w4a16", up, 32)
+    dense_down = cpu.quantized_linear("w8a16", down, bias=bias)
     torch.testing.assert_close(y, dense_down(torch.relu(dense_up(x))))
 
 

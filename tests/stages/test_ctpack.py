@@ -3,7 +3,7 @@ import torch
 from compressed_tensors.compressors.pack_quantized import helpers as ct_pack
 
 from llmopt.stages.ctpack import (pack_int4, pack_to_int32, pack_zero_point, unpack_from_int32,
-                                         unpack_int4, unpack_zero_point)
+                                         unpack_int4_signed, unpack_zero_point)
 
 SHAPES = [(7, 576), (33, 64), (5, 40), (3, 13), (1, 8)]
 
@@ -33,13 +33,13 @@ def test_int4_layout_column_8c_plus_j_in_bits_4j():
     word = packed[0, 0].item() & 0xFFFFFFFF
     assert [(word >> (4 * j)) & 0xF for j in range(8)] == [v + 8 for v in q[0, :8].tolist()]
     assert packed[0, 1].item() == (5 + 8) | ((-1 + 8) << 4)
-    assert torch.equal(unpack_int4(packed, 10), q)
+    assert torch.equal(unpack_int4_signed(packed, 10), q)
 
 
 def test_int4_extremes_roundtrip():
     q = torch.full((3, 16), 7, dtype=torch.int8)
     q[1] = -8
-    assert torch.equal(unpack_int4(pack_int4(q), 16), q)
+    assert torch.equal(unpack_int4_signed(pack_int4(q), 16), q)
     assert pack_int4(q)[0, 0].item() == -1  # 0xFFFFFFFF: fifteen in every nibble, as int32
 
 

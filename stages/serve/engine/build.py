@@ -11,16 +11,17 @@ from .engine import LLMEngine
 DEFAULT_KV_CACHE_MEMORY = {"cpu": "2GiB", "cuda": "0.8"}  # when neither num_blocks nor kv_cache_memory is given
 
 
-def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None,
-                 linear_backend: str | None = None, tp_options=None) -> LLMEngine:
-    """An engine serving `ref` (alias, GGUF, HF directory or artifact) on `device`."""
+def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None, backend: str = "auto",
+                 tp_options=None) -> LLMEngine:
+    """An engine serving `ref` (alias, GGUF, HF directory or artifact) on `device`, its kernels from `backend`
+    ("auto", "cpu-native", "cpu-torch", "triton", "reference"; see `llmopt.kernels.select_backend`)."""
     from ..loader import load_runtime, sharded_artifact
     from ..runner import ModelRunner
 
     sharded = sharded_artifact(ref)
     if sharded is not None:
-        return _build_tp_engine(sharded, config, device, dtype, linear_backend, tp_options)
-    runtime, tokenizer, model_config = load_runtime(ref, device, dtype, linear_backend)
+        return _build_tp_engine(sharded, config, device, dtype, backend, tp_options)
+    runtime, tokenizer, model_config = load_runtime(ref, device, dtype, backend)
     runner = ModelRunner(runtime, _num_blocks(config, runtime.spec, runtime), config.block_size)
     return LLMEngine(runner, tokenizer, config, eos_token_ids=eos_token_ids(model_config, tokenizer))
 
@@ -39,7 +40,7 @@ def _num_blocks(config: EngineConfig, spec, runtime) -> int:
     return min(fits, config.seqs_per_step * longest)
 
 
-def _build_tp_engine(art, config: EngineConfig, device, dtype, linear_backend, tp_options) -> LLMEngine:
+def _build_tp_engine(art, config: EngineConfig, device, dtype, backend, tp_options) -> LLMEngine:
     """Rank 0 of a sharded artifact: start the group, load this rank's shard, size the cache for the
     rank holding the most KV heads (every rank allocates the same number of blocks)."""
     from ...model_io import load_tokenizer
@@ -49,10 +50,10 @@ def _build_tp_engine(art, config: EngineConfig, device, dtype, linear_backend, t
     from ..tp.runtime import load_rank_runtime, max_local_kv_heads
 
     plan = art.tensor_parallel
-    group = RankGroup(art.path, plan["tp"], tp_options or TPOptions(), device, dtype).start()
+    group = RankGroup(art.path, plan["tp"], tp_options or TPOptions(), device, dtype, backend).start()
     atexit.register(group.close)
     try:
-        runtime = load_rank_runtime(art, 0, None, device, dtype, linear_backend)
+        runtime = load_rank_runtime(art, 0, None, device, dtype, backend)
         widest = dataclasses.replace(runtime.spec, num_kv_heads=max_local_kv_heads(plan))
         runner = TPModelRunner(runtime, _num_blocks(config, widest, runtime), config.block_size, group)
     except BaseException:

@@ -64,9 +64,12 @@ def _describe_exit(code: int) -> str:
 class RankGroup:
     """This node's share of a tensor-parallel group: the worker processes, rank 0's process group."""
 
-    def __init__(self, artifact_path, tp: int, options: TPOptions, device: str = "cpu", dtype=None):
+    def __init__(self, artifact_path, tp: int, options: TPOptions, device: str = "cpu", dtype=None,
+                 backend: str = "auto"):
+        """`backend`: the kernel backend's name, which every rank loads its shard with."""
         options.validate(tp)
         self.path, self.tp, self.options, self.device, self.dtype = str(artifact_path), tp, options, device, dtype
+        self.kernel_backend = backend
         self.port = options.master_port or free_port()
         per_node = tp // options.nnodes
         self.local_ranks = list(range(options.node_rank * per_node, (options.node_rank + 1) * per_node))
@@ -103,7 +106,8 @@ class RankGroup:
     def _worker_command(self, rank: int) -> list[str]:
         cmd = [sys.executable, "-m", "llmopt.stages.serve.tp.worker", self.path, "--rank", str(rank),
                "--world-size", str(self.tp), "--master-addr", self.options.master_addr, "--master-port",
-               str(self.port), "--device", self._rank_device(rank), "--threads", str(self.threads_per_rank())]
+               str(self.port), "--device", self._rank_device(rank), "--threads", str(self.threads_per_rank()),
+               "--backend", self.kernel_backend]
         return cmd + (["--dtype", DTYPE_NAMES[self.dtype]] if self.dtype else [])
 
     def _rank_device(self, rank: int) -> str:
@@ -193,14 +197,14 @@ class RankGroup:
         os._exit(3)
 
 
-def run_worker_node(ref, options: TPOptions, device: str = "cpu", dtype=None) -> int:
+def run_worker_node(ref, options: TPOptions, device: str = "cpu", dtype=None, backend: str = "auto") -> int:
     """`llmopt serve SHARDED --node-rank K` (K > 0): run this node's ranks until the group ends."""
     from ..loader import sharded_artifact
 
     art = sharded_artifact(ref)
     if art is None:
         raise ConfigError(f"--node-rank {options.node_rank}: {ref} is not a sharded artifact (llmopt shard --tp N)")
-    group = RankGroup(art.path, art.tensor_parallel["tp"], options, device, dtype).start()
+    group = RankGroup(art.path, art.tensor_parallel["tp"], options, device, dtype, backend).start()
     try:
         return group.wait()
     finally:

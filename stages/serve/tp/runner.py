@@ -34,12 +34,12 @@ class TPModelRunner(ModelRunner):
         """Call `callback(RankFailure)` (from a monitor thread) when a rank dies."""
         self.ranks.on_failure(callback)
 
-    def execute(self, step: StepInput) -> torch.Tensor:
+    def execute(self, step: StepInput, fused: bool = True) -> torch.Tensor:
         with self._lock:
             self._check()
             try:
                 comm.send_step(step, self.comm_device)
-                logits = super().execute(step)
+                logits = super().execute(step, fused)
             except RuntimeError as e:  # a collective failed: name the rank if the monitor knows it
                 raise self.ranks.explain(e) from e
             self._last = time.monotonic()

@@ -19,13 +19,14 @@ def max_local_kv_heads(plan: dict) -> int:
     return max(len(r["kv_heads"]) for r in plan["ranks"])
 
 
-def load_rank_runtime(art: Artifact, rank: int, group, device, dtype=None, linear_backend=None) -> Runtime:
-    """Rank `rank`'s runtime of the sharded artifact `art`, its collectives on `group`."""
+def load_rank_runtime(art: Artifact, rank: int, group, device, dtype=None, backend: str = "auto") -> Runtime:
+    """Rank `rank`'s runtime of the sharded artifact `art`, its collectives on `group`, its modules built by
+    `backend` (every rank loads with the same name). The row-parallel wrappers have no native form, so a
+    backend's fused decode step is not built for a rank."""
     plan = art.tensor_parallel
     rank_plan = plan["ranks"][rank]
     config = local_config(read_config(art.path), rank_plan, plan)
-    runtime = build_runtime(config, load_dir(art.path, art.rank_files(rank)), torch.device(device), dtype,
-                            linear_backend)
+    runtime = build_runtime(config, load_dir(art.path, art.rank_files(rank)), torch.device(device), dtype, backend)
     for layer in runtime.layers:
         layer.o_proj = _row_parallel(layer.o_proj, group)
         layer.down = _row_parallel(layer.down, group)

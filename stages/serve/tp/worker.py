@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--backend", default="auto", help="kernel backend, as rank 0 loads with")
     args = parser.parse_args(argv)
     _die_with_parent()
     import torch
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group(backend, init_method=f"tcp://{args.master_addr}:{args.master_port}",
                                 rank=args.rank, world_size=args.world_size, timeout=TIMEOUT)
         art = Artifact.open(args.artifact, verify=False)  # rank 0 verified it; each rank reads its own files
-        runtime = load_rank_runtime(art, args.rank, None, args.device, parse_dtype(args.dtype))
+        runtime = load_rank_runtime(art, args.rank, None, args.device, parse_dtype(args.dtype), args.backend)
         worker_loop(runtime, args.device, "cuda" if backend == "nccl" else "cpu")
         dist.destroy_process_group()
         return 0

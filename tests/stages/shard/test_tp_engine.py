@@ -38,7 +38,7 @@ def models(tmp_path_factory):
 
 def generate(ref) -> list:
     engine = build_engine(str(ref), EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4), "cpu",
-                          torch.float32, linear_backend="torch")
+                          torch.float32, backend="reference")
     try:
         return engine.generate(PROMPTS, GREEDY)
     finally:
