@@ -7,15 +7,19 @@ from typing import Annotated, Optional
 
 import typer
 
+from llmopt.kernels import BACKENDS
 from llmopt.stages.options import DTYPES
 
 DType = Enum("DType", {name: name for name in DTYPES}, type=str)  # the stages' --dtype choices
+Backend = Enum("Backend", {name: name for name in BACKENDS}, type=str)  # the kernels' backends
 
 Source = Annotated[str, typer.Argument(help="Model source: HF directory, .gguf file, llmopt artifact, or alias (smollm2-135m).")]
 Output = Annotated[Path, typer.Option("--output", "-o", help="Directory to write the artifact to.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace an existing artifact at the output path.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
 DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Weight dtype (auto keeps the source's).")]
+BackendOpt = Annotated[Backend, typer.Option("--backend", help="Kernels (auto: triton on CUDA; on CPU cpu-native "
+                                             "where it builds, else cpu-torch; reference: the exact torch twins).")]
 Seqlen = Annotated[int, typer.Option("--seqlen", min=2, help="Tokens per evaluation window.")]
 MaxWindows = Annotated[Optional[int], typer.Option("--max-windows", min=1, help="Evaluate only the first N windows.")]
 

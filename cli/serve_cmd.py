@@ -7,10 +7,10 @@ import typer
 
 from llmopt.stages.serve.config import DEFAULTS, ServeConfig
 
-from .options import DType, DTypeOpt, MasterAddr, MasterPort, NNodes, NodeRank, Source
+from .options import Backend, BackendOpt, DType, DTypeOpt, MasterAddr, MasterPort, NNodes, NodeRank, Source, stage_options
 
 Opt = typer.Option
-E, S = DEFAULTS.engine, DEFAULTS.server  # every default below is read from ServeConfig
+E, S, T = DEFAULTS.engine, DEFAULTS.server, DEFAULTS.tp  # every default below is read from ServeConfig
 
 
 def run(source: Source,
@@ -40,22 +40,21 @@ def run(source: Source,
         max_batch_size: Annotated[Optional[int], Opt("--max-batch-size", min=1)] = E.max_batch_size,
         max_wait_ms: Annotated[float, Opt("--max-wait-ms", min=0.0)] = E.max_wait_ms,
         device: Annotated[str, Opt("--device", help="cpu | cuda")] = DEFAULTS.device,
-        dtype: DTypeOpt = DType(DEFAULTS.dtype), nnodes: NNodes = DEFAULTS.nnodes,
-        node_rank: NodeRank = DEFAULTS.node_rank, master_addr: MasterAddr = DEFAULTS.master_addr,
-        master_port: MasterPort = DEFAULTS.master_port) -> None:
-    options = dict(locals())  # every parameter, named as ServeConfig.from_options expects
-    del options["source"]
+        dtype: DTypeOpt = DType(DEFAULTS.dtype), backend: BackendOpt = Backend(DEFAULTS.backend),
+        nnodes: NNodes = T.nnodes, node_rank: NodeRank = T.node_rank, master_addr: MasterAddr = T.master_addr,
+        master_port: MasterPort = T.master_port) -> None:
     from llmopt.stages.model_io import parse_dtype
-    from llmopt.stages.serve.engine.build import build_engine
+    from llmopt.stages.serve.build import build_engine
     from llmopt.stages.serve.http.server import serve
-    from llmopt.stages.serve.tp.launch import TPOptions, run_worker_node
+    from llmopt.stages.serve.tp.launch import run_worker_node
     from llmopt.stages.source import resolve
 
+    options = stage_options(locals(), ServeConfig.options())
     config = ServeConfig.from_options(options | {"served_model_name": served_model_name or source})
     resolve(source)  # a wrong path or alias fails now, before the port is bound
-    tp = TPOptions(config.nnodes, config.node_rank, config.master_addr, config.master_port)
     torch_dtype = parse_dtype(config.dtype)
-    if config.node_rank > 0:  # this machine only runs its ranks of a sharded artifact; node 0 serves
-        raise typer.Exit(run_worker_node(source, tp, config.device, torch_dtype))
-    serve(config.server, lambda: build_engine(source, config.engine, config.device, torch_dtype, tp_options=tp))
+    if config.tp.node_rank > 0:  # this machine only runs its ranks of a sharded artifact; node 0 serves
+        raise typer.Exit(run_worker_node(source, config.tp, config.device, torch_dtype, config.backend))
+    serve(config.server, lambda: build_engine(source, config.engine, config.device, torch_dtype, config.backend,
+                                              tp_options=config.tp))
 

@@ -116,10 +116,13 @@ _EXPORTS = {
     "paged_attention_ref": "paged_attention", "paged_attention_decode_ref": "paged_attention",
     "StepMetadata": "paged_attention",
     "KernelBackendError": "_backend",
-    "Backend": "backend", "BACKENDS": "backend", "select_backend": "backend",
+    "Backend": "backend", "select_backend": "backend",
 }
+# The backends' names, here rather than in backend.py so that a config can check a --backend value
+# without importing torch.
+BACKENDS = ("auto", "cpu-native", "cpu-torch", "triton", "reference")
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "BACKENDS"])
 
 
 def __getattr__(name):

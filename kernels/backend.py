@@ -25,12 +25,12 @@ from typing import Mapping, Protocol, Sequence
 import torch
 from torch import nn
 
+from . import BACKENDS
 from ._backend import KernelBackendError, triton
 from .cpu_backends import CpuNativeBackend, CpuTorchBackend, unavailable_reason
 from .op_backends import ReferenceBackend, TritonBackend
 from .paged_attention import StepMetadata
 
-BACKENDS = ("auto", "cpu-native", "cpu-torch", "triton", "reference")
 
 
 class StepAttention(Protocol):

@@ -50,7 +50,7 @@ def hf_ms_per_token(directory: Path, prompt_ids: list[list[int]], tokens: int, d
 
 
 def engine_ms_per_token(source: str, prompt_ids: list[list[int]], tokens: int, dtype: str | None) -> float:
-    from llmopt.stages.serve.engine.build import build_engine
+    from llmopt.stages.serve.build import build_engine
     from llmopt.stages.serve.engine.config import EngineConfig, SamplingParams
 
     engine = build_engine(source, EngineConfig(), dtype=dtype)

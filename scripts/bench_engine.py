@@ -77,7 +77,7 @@ def run_hf(directory: Path, prompt_ids: list[list[int]], batch: int, max_tokens:
 def run_engine(source: str, prompt_ids: list[list[int]], max_tokens: int, dtype: str | None,
                repeats: int) -> tuple[list[list[int]], list[float]]:
     """The engine on every prompt at once, `repeats` times (fresh prefix cache each); (outputs, seconds)."""
-    from llmopt.stages.serve.engine.build import build_engine
+    from llmopt.stages.serve.build import build_engine
     from llmopt.stages.serve.engine.config import EngineConfig, SamplingParams
 
     times, outputs = [], []
@@ -109,7 +109,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
 
     from llmopt.stages.model_io import load_tokenizer
-    from llmopt.stages.serve.engine.build import eos_token_ids
+    from llmopt.stages.serve.build import eos_token_ids
     from llmopt.stages.serve.http.prompts import chat_prompt
     from llmopt.stages.serve.loader import read_config
 

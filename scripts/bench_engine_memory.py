@@ -53,7 +53,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
-    from llmopt.stages.serve.engine.build import build_engine
+    from llmopt.stages.serve.build import build_engine
     from llmopt.stages.serve.engine.config import EngineConfig, SamplingParams
 
     engine = build_engine(args.source, EngineConfig(max_num_seqs=args.in_flight))

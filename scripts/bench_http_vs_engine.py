@@ -122,7 +122,7 @@ def main() -> int:
 
         torch.set_num_threads(args.threads)
 
-    from llmopt.stages.serve.engine.build import build_engine
+    from llmopt.stages.serve.build import build_engine
     from llmopt.stages.serve.engine.config import EngineConfig, SamplingParams
     from llmopt.stages.serve.http.prompts import chat_prompt
 

@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from llmopt.stages.serve.engine.build import build_engine  # noqa: E402
+from llmopt.stages.serve.build import build_engine  # noqa: E402
 from llmopt.stages.serve.engine.config import EngineConfig, SamplingParams  # noqa: E402
 from llmopt.stages.shard.config import ShardConfig  # noqa: E402
 from llmopt.stages.shard.run import run_shard  # noqa: E402

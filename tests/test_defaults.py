@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmopt.cli import bench_cmd, eval_cmd, profile_cmd, prune_cmd, quantize_cmd, shard_cmd
+from llmopt.cli import bench_cmd, eval_cmd, profile_cmd, prune_cmd, quantize_cmd, serve_cmd, shard_cmd
 from llmopt.cli.main import main
 from llmopt.recipes.spec import parse_recipe
 from llmopt.stages import registry
@@ -19,6 +19,7 @@ from llmopt.stages.options import REQUIRED, flag
 from llmopt.stages.profile.config import ProfileConfig
 from llmopt.stages.prune.config import PruneConfig
 from llmopt.stages.quantize.config import QuantizeConfig
+from llmopt.stages.serve.config import ServeConfig
 from llmopt.stages.shard.config import ShardConfig
 
 # kind: (the command, its entry point a run reaches, the command line with only what it requires, the
@@ -44,7 +45,12 @@ CLI_ONLY = {
     "eval": {"source", "store", "json"},
     "profile": {"sources", "json_file", "html_file", "per_layer"},
     "bench": {"ctx", "url", "server", "model", "api_key", "json", "plot", "quiet"},
+    "serve": {"source"},
 }
+# Commands whose options are a config's without being a recipe stage (tests/stages/serve/test_serve_config.py
+# checks that the config they build from their defaults is the config's own).
+COMMANDS = {kind: (case[0], registry.stage(kind).options) for kind, case in CASES.items()}
+COMMANDS["serve"] = (serve_cmd.run, ServeConfig.options())
 
 
 class Captured(Exception):
@@ -88,10 +94,9 @@ def _base_type(hint) -> tuple[type, bool]:
     return (list if typing.get_origin(hint) is list else hint), optional
 
 
-@pytest.mark.parametrize("kind", list(CASES))
+@pytest.mark.parametrize("kind", list(COMMANDS))
 def test_each_commands_options_are_its_stages(kind):
-    command = CASES[kind][0]
-    schema = registry.stage(kind).options
+    command, schema = COMMANDS[kind]
     params = inspect.signature(command).parameters
     hints = typing.get_type_hints(command, include_extras=True)
     assert CLI_ONLY[kind] <= set(params)

@@ -1,71 +1,94 @@
 """ServeConfig: every option of `llmopt serve`, each default defined once.
 
-The engine's options live in EngineConfig, the HTTP server's in ServerConfig; this adds where the
-model runs (device, dtype) and where this process sits in a multi-node tensor-parallel group.
-`ServeConfig.from_options` builds it from options named as the CLI's parameters, so the CLI,
-recipes and library users share one set of defaults. Light on purpose: no torch, no FastAPI.
+The engine's options live in EngineConfig, the HTTP server's in ServerConfig, a multi-node group's in
+TPOptions; this adds where the model runs (device, dtype) and on which kernels (backend, one of
+`llmopt.kernels.BACKENDS`). `ServeConfig.from_options` builds it from options named as the command's
+parameters (the shared machinery of `stages/options.py`), so the command line and library users share
+one set of defaults. Light on purpose: no torch, no FastAPI.
 """
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from llmopt.kernels import BACKENDS
+
 from ..errors import ConfigError
+from ..options import DTYPES, FromOptions, Option, Options, dtype_option
 from .engine.config import EngineConfig
 from .http.config import ServerConfig
 
-DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")  # auto keeps the source's
-# CLI spellings of ServerConfig fields (the config names the unit, the option does not)
-RENAMED = {"request_timeout": "request_timeout_s", "drain_timeout": "drain_timeout_s"}
-
 
 @dataclass(frozen=True)
-class ServeConfig:
-    """`llmopt serve`'s configuration; validated on construction (each part validates itself)."""
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
-    device: str = "cpu"  # cpu | cuda | cuda:N
-    dtype: str = "auto"  # one of DTYPE_CHOICES
+class TPOptions:
+    """Where this process sits in a multi-node tensor-parallel group (a single node needs none of it)."""
+
     nnodes: int = 1  # machines a sharded artifact's ranks span
     node_rank: int = 0  # this machine's index: 0 serves HTTP, the others only run their ranks
     master_addr: str = "127.0.0.1"  # node 0's address for the rank rendezvous
     master_port: int | None = None  # None: a free port (single node only)
 
+    def validate(self, tp: int) -> None:
+        """Checked against the artifact's rank count when the group starts."""
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} must be in [0, --nnodes {self.nnodes})")
+        if tp % self.nnodes:
+            raise ConfigError(f"the artifact has tp={tp} ranks, which --nnodes {self.nnodes} does not divide")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ConfigError("--nnodes > 1 needs --master-addr and --master-port (node 0's address)")
+
+
+@dataclass(frozen=True)
+class ServeConfig(FromOptions):
+    """`llmopt serve`'s configuration; validated on construction (each part validates itself)."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    dtype: str = "auto"  # one of DTYPES: auto keeps the source's
+    backend: str = "auto"  # the kernels: one of llmopt.kernels.BACKENDS
+    tp: TPOptions = field(default_factory=TPOptions)
+
     def __post_init__(self) -> None:
-        # The group's own checks (rank in range, a port for several nodes) run when it starts.
-        if self.dtype not in DTYPE_CHOICES:
-            raise ConfigError(f"unknown --dtype {self.dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+        self.validate()
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown --dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"unknown --backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
 
     @classmethod
-    def from_options(cls, options: Mapping[str, object]) -> ServeConfig:
-        """The config for options named as `llmopt serve`'s parameters (`max_num_seqs`,
-        `request_timeout`, ...). A missing option, or one given as None, takes its default;
-        an unknown name is a ConfigError naming it."""
-        known = option_names()
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ConfigError(f"unknown serve option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        # an Enum (the CLI's --dtype choices) stands for its value
-        given = {name: getattr(value, "value", value) for name, value in options.items() if value is not None}
-        engine = {f: given[f] for f in _fields(EngineConfig) if f in given}
-        server = {RENAMED.get(o, o): given[o] for o in _server_options() if o in given}
-        own = {f: given[f] for f in _fields(cls) - {"engine", "server"} if f in given}
-        return cls(engine=EngineConfig(**engine), server=ServerConfig(**server), **own)
+    def from_values(cls, o: dict) -> ServeConfig:
+        """The config for every option's value (the command's names; see OPTIONS)."""
+        engine = EngineConfig(**{name: o[name] for name in ENGINE_OPTIONS})
+        server = {name: o[name] for name in SERVER_OPTIONS}
+        server |= {"request_timeout_s": o["request_timeout"], "drain_timeout_s": o["drain_timeout"]}
+        if o["served_model_name"] is not None:  # None: the command names the model after its SOURCE
+            server["served_model_name"] = o["served_model_name"]
+        tp = TPOptions(o["nnodes"], o["node_rank"], o["master_addr"], o["master_port"])
+        return cls(engine, ServerConfig(**server), o["device"], o["dtype"], o["backend"], tp)
 
 
-def option_names() -> set[str]:
-    """Every option `ServeConfig.from_options` knows, spelled as the CLI's parameters."""
-    return _fields(EngineConfig) | _server_options() | (_fields(ServeConfig) - {"engine", "server"})
-
-
-def _server_options() -> set[str]:
-    by_field = {v: k for k, v in RENAMED.items()}
-    return {by_field.get(f, f) for f in _fields(ServerConfig)}
-
-
-def _fields(cls) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)}
-
-
-DEFAULTS = ServeConfig()  # what every option is when not given: the CLI reads its defaults here
+ENGINE_OPTIONS = ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                  "max_batch_size", "max_wait_ms")
+SERVER_OPTIONS = ("host", "port", "api_key", "metrics_public", "max_queued_requests", "max_queued_tokens",
+                  "max_body_bytes", "log_json")
+DEFAULTS = ServeConfig()  # what every option is when not given: the command line reads its defaults here
+_E, _S, _T = DEFAULTS.engine, DEFAULTS.server, DEFAULTS.tp
+OPTIONS = Options(  # in `llmopt serve`'s order
+    Option("host", str, _S.host), Option("port", int, _S.port), Option("api_key", str, _S.api_key, optional=True),
+    Option("served_model_name", str, None, optional=True), Option("metrics_public", bool, _S.metrics_public),
+    Option("max_queued_requests", int, _S.max_queued_requests), Option("max_queued_tokens", int, _S.max_queued_tokens),
+    Option("max_body_bytes", int, _S.max_body_bytes),
+    Option("request_timeout", float, _S.request_timeout_s, optional=True),
+    Option("drain_timeout", float, _S.drain_timeout_s), Option("log_json", bool, _S.log_json),
+    Option("block_size", int, _E.block_size), Option("kv_cache_memory", str, _E.kv_cache_memory, optional=True),
+    Option("max_num_seqs", int, _E.max_num_seqs), Option("max_num_batched_tokens", int, _E.max_num_batched_tokens),
+    Option("max_model_len", int, _E.max_model_len, optional=True),
+    Option("max_batch_size", int, _E.max_batch_size, optional=True), Option("max_wait_ms", float, _E.max_wait_ms),
+    Option("device", str, DEFAULTS.device), dtype_option(DEFAULTS.dtype),
+    Option("backend", str, DEFAULTS.backend, choices=BACKENDS),
+    Option("nnodes", int, _T.nnodes), Option("node_rank", int, _T.node_rank), Option("master_addr", str, _T.master_addr),
+    Option("master_port", int, _T.master_port, optional=True),
+)
+ServeConfig.OPTIONS = OPTIONS

@@ -50,7 +50,7 @@ def _reference(model, prompt: list[int]):
 def setup(smollm_cache):
     from transformers import AutoModelForCausalLM
 
-    from llmopt.stages.serve.engine.build import build_engine
+    from llmopt.stages.serve.build import build_engine
     from llmopt.stages.serve.engine.config import EngineConfig
     from llmopt.stages.source import as_artifact, resolve
 
@@ -110,7 +110,7 @@ def test_w4a16_artifact_serves_fluent_text(smollm_cache, tmp_path):
 
     from llmopt.stages.quantize.config import QuantizeConfig
     from llmopt.stages.quantize.run import run_quantize
-    from llmopt.stages.serve.engine.build import build_engine
+    from llmopt.stages.serve.build import build_engine
     from llmopt.stages.serve.engine.config import EngineConfig, SamplingParams
 
     with warnings.catch_warnings():

@@ -18,32 +18,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 from ...errors import ConfigError
 from ...model_io import DTYPE_NAMES
+from ..config import TPOptions
 from .runner import RankFailure
 
 HARD_EXIT_S = 10.0
 TIMEOUT = datetime.timedelta(minutes=10)
-
-
-@dataclass(frozen=True)
-class TPOptions:
-    """Where this process sits in a multi-node group (the single-node defaults need nothing)."""
-
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: a free port (single node only)
-
-    def validate(self, tp: int) -> None:
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"--node-rank {self.node_rank} must be in [0, --nnodes {self.nnodes})")
-        if tp % self.nnodes:
-            raise ConfigError(f"the artifact has tp={tp} ranks, which --nnodes {self.nnodes} does not divide")
-        if self.nnodes > 1 and self.master_port is None:
-            raise ConfigError("--nnodes > 1 needs --master-addr and --master-port (node 0's address)")
 
 
 def free_port() -> int:

@@ -9,7 +9,7 @@ import typer
 
 from llmopt.cli.main import app, main
 from llmopt.stages.errors import ConfigError
-from llmopt.stages.serve.config import DEFAULTS, ServeConfig, option_names
+from llmopt.stages.serve.config import DEFAULTS, ServeConfig, TPOptions
 from llmopt.stages.serve.engine.config import EngineConfig, SamplingParams
 from llmopt.stages.serve.generate import DEFAULT_PARAMS
 from llmopt.stages.serve.http.config import ServerConfig
@@ -31,13 +31,14 @@ class Built(Exception):
 @pytest.fixture
 def captured(monkeypatch):
     """Records what the serve / generate commands pass to build_engine and serve, loading nothing."""
-    import llmopt.stages.serve.engine.build as build
+    import llmopt.stages.serve.build as build
     import llmopt.stages.serve.http.server as server
 
     calls = {}
 
-    def build_engine(source, config, device="cpu", dtype=None, tp_options=None):
+    def build_engine(source, config, device="cpu", dtype=None, backend="auto", tp_options=None):
         calls["engine"] = (config, device, dtype, tp_options)
+        calls["backend"] = backend
         raise Built
 
     def serve(config, loader):
@@ -56,14 +57,14 @@ def test_serve_with_no_options_builds_the_default_config(captured, tiny_hf):
     engine, device, dtype, tp = captured["engine"]
     assert engine == EngineConfig() == DEFAULTS.engine and (device, dtype) == ("cpu", None)
     assert captured["server"] == dataclasses.replace(ServerConfig(), served_model_name=source)  # the name: SOURCE
-    assert (tp.nnodes, tp.node_rank, tp.master_addr, tp.master_port) == (
-        DEFAULTS.nnodes, DEFAULTS.node_rank, DEFAULTS.master_addr, DEFAULTS.master_port)
+    assert tp == TPOptions() == DEFAULTS.tp and captured["backend"] == DEFAULTS.backend == "auto"
 
 
 def test_generate_with_no_engine_options_builds_the_default_engine(captured, capsys):
     assert main(["generate", "some-model", "--prompt", "hi"]) == 1  # the stand-in stops it after recording
     engine, device, dtype, _ = captured["engine"]
     assert engine == EngineConfig() == DEFAULTS.engine and (device, dtype) == (DEFAULTS.device, None)
+    assert captured["backend"] == DEFAULTS.backend
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
@@ -74,8 +75,7 @@ def test_the_commands_defaults_are_serve_configs(command):
     assert ServeConfig.from_options(defaults) == ServeConfig() == DEFAULTS
     assert command == "serve" or SamplingParams(**sampling) == DEFAULT_PARAMS  # generate's sampling defaults
     if command == "serve":  # every serve option reaches the config; the config's others are library-only
-        library_only = {"num_blocks", "enable_prefix_caching", "seed", "retry_after_s"}
-        assert set(defaults) | {"served_model_name"} == option_names() - library_only
+        assert set(defaults) | {"served_model_name"} == set(ServeConfig.options())
 
 
 @pytest.mark.parametrize("module", ["serve_cmd.py", "generate_cmd.py"])
@@ -90,29 +90,28 @@ def test_the_commands_write_no_default_of_their_own(module):
 
 def test_the_parts_hold_their_own_defaults_once():
     assert ServeConfig().engine == EngineConfig() and ServeConfig().server == ServerConfig()
+    assert ServeConfig().tp == TPOptions()  # the tensor-parallel launcher reads this same class
     assert EngineConfig().max_num_seqs == 64  # what `llmopt serve` has always used
-    from llmopt.stages.serve.tp.launch import TPOptions
-
-    tp = TPOptions()  # the tensor-parallel group's own copy must agree until it reads ServeConfig
-    assert (tp.nnodes, tp.node_rank, tp.master_addr, tp.master_port) == (
-        DEFAULTS.nnodes, DEFAULTS.node_rank, DEFAULTS.master_addr, DEFAULTS.master_port)
 
 
 def test_from_options_maps_cli_names_and_rejects_unknown_ones():
     config = ServeConfig.from_options({"max_num_seqs": 8, "max_num_batched_tokens": 64, "request_timeout": 2.5,
                                        "drain_timeout": 1.0, "port": 9000, "device": "cuda", "dtype": "bf16",
-                                       "max_model_len": None})
+                                       "max_model_len": None, "backend": "triton", "nnodes": 2, "master_port": 29500})
     assert config.engine == EngineConfig(max_num_seqs=8, max_num_batched_tokens=64)
     assert config.server == ServerConfig(request_timeout_s=2.5, drain_timeout_s=1.0, port=9000)
-    assert (config.device, config.dtype) == ("cuda", "bf16")
-    with pytest.raises(ConfigError, match="unknown serve option.*max_num_seq, request_timeout_s"):
-        ServeConfig.from_options({"max_num_seq": 8, "request_timeout_s": 1.0})
+    assert (config.device, config.dtype, config.backend) == ("cuda", "bf16", "triton")
+    assert config.tp == TPOptions(nnodes=2, master_port=29500)
+    for unknown in ("max_num_seq", "request_timeout_s"):  # the config's field names are not options
+        with pytest.raises(ConfigError, match=f"--{unknown.replace('_', '-')}: no such option"):
+            ServeConfig.from_options({unknown: 1})
 
 
 @pytest.mark.parametrize("options, message", [
     ({"max_num_seqs": 64, "max_num_batched_tokens": 8}, "--max-num-batched-tokens"),
     ({"port": 70000}, "--port"),
-    ({"dtype": "fp8"}, "unknown --dtype 'fp8'"),
+    ({"dtype": "fp8"}, "--dtype: expected one of auto, fp32, bf16, fp16"),
+    ({"backend": "cuda"}, "--backend: expected one of auto, cpu-native"),
 ])
 def test_from_options_validates_on_construction(options, message):
     with pytest.raises(ConfigError, match=message):

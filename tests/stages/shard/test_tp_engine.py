@@ -7,7 +7,7 @@ import torch
 
 from llmopt.stages.artifact import Artifact
 from llmopt.stages.errors import ConfigError, SourceError
-from llmopt.stages.serve.engine.build import build_engine
+from llmopt.stages.serve.build import build_engine
 from llmopt.stages.serve.engine.config import EngineConfig, SamplingParams
 from llmopt.stages.shard.config import ShardConfig
 from llmopt.stages.shard.run import run_shard

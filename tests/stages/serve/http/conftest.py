@@ -37,7 +37,7 @@ def model_dir(tmp_path_factory):
 def make_engine(model_dir, step_delay: float = 0.0, **overrides):
     """The engine for the tiny model; `step_delay` seconds added to every step keep requests
     in flight long enough to disconnect, flood or time them out."""
-    from llmopt.stages.serve.engine.build import build_engine
+    from llmopt.stages.serve.build import build_engine
     from llmopt.stages.serve.engine.config import EngineConfig
 
     config = dict(block_size=4, num_blocks=256, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)

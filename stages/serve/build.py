@@ -1,12 +1,13 @@
-"""Build an LLMEngine for a model source: load the runtime, size the KV cache, wire the tokenizer.
+"""Build an LLMEngine for a model source: load the runtime on its backend, size the KV cache, wire the
+tokenizer. The composition root of serving: the engine package itself knows no runtime.
 A sharded artifact (`llmopt shard`) starts its tensor-parallel ranks (serve/tp) and runs rank 0 here."""
 from __future__ import annotations
 
 import atexit
 import dataclasses
 
-from .config import EngineConfig
-from .engine import LLMEngine
+from .engine.config import EngineConfig
+from .engine.engine import LLMEngine
 
 DEFAULT_KV_CACHE_MEMORY = {"cpu": "2GiB", "cuda": "0.8"}  # when neither num_blocks nor kv_cache_memory is given
 
@@ -15,8 +16,8 @@ def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None
                  tp_options=None) -> LLMEngine:
     """An engine serving `ref` (alias, GGUF, HF directory or artifact) on `device`, its kernels from `backend`
     ("auto", "cpu-native", "cpu-torch", "triton", "reference"; see `llmopt.kernels.select_backend`)."""
-    from ..loader import load_runtime, sharded_artifact
-    from ..runner import ModelRunner
+    from .loader import load_runtime, sharded_artifact
+    from .runner import ModelRunner
 
     sharded = sharded_artifact(ref)
     if sharded is not None:
@@ -29,7 +30,7 @@ def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None
 def _num_blocks(config: EngineConfig, spec, runtime) -> int:
     import torch
 
-    from ..runner import num_kv_blocks
+    from .runner import num_kv_blocks
 
     if config.num_blocks is not None:
         return config.num_blocks
@@ -43,11 +44,12 @@ def _num_blocks(config: EngineConfig, spec, runtime) -> int:
 def _build_tp_engine(art, config: EngineConfig, device, dtype, backend, tp_options) -> LLMEngine:
     """Rank 0 of a sharded artifact: start the group, load this rank's shard, size the cache for the
     rank holding the most KV heads (every rank allocates the same number of blocks)."""
-    from ...model_io import load_tokenizer
-    from ..loader import read_config
-    from ..tp.launch import RankGroup, TPOptions
-    from ..tp.runner import TPModelRunner
-    from ..tp.runtime import load_rank_runtime, max_local_kv_heads
+    from ..model_io import load_tokenizer
+    from .loader import read_config
+    from .config import TPOptions
+    from .tp.launch import RankGroup
+    from .tp.runner import TPModelRunner
+    from .tp.runtime import load_rank_runtime, max_local_kv_heads
 
     plan = art.tensor_parallel
     group = RankGroup(art.path, plan["tp"], tp_options or TPOptions(), device, dtype, backend).start()
