@@ -10,8 +10,8 @@ from typer.exceptions import TyperException
 
 from llmopt.stages.errors import LlmoptError
 
-from . import (bench_cmd, bench_compare_cmd, eval_cmd, generate_cmd, import_cmd, inspect_cmd, profile_cmd, prune_cmd,
-               quantize_cmd, run_cmd, serve_cmd, shard_cmd)
+from . import (bench_cmd, bench_compare_cmd, bench_summary_cmd, eval_cmd, generate_cmd, import_cmd, inspect_cmd,
+               profile_cmd, prune_cmd, quantize_cmd, run_cmd, serve_cmd, shard_cmd)
 
 app = typer.Typer(
     name="llmopt", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -32,6 +32,8 @@ bench = typer.Typer(invoke_without_command=True, add_completion=False, help=(
 bench.callback()(bench_cmd.run)
 bench.command("compare", help="Side-by-side table of two --json reports; exit 1 on a regression beyond the bound.")(
     bench_compare_cmd.run)
+bench.command("summary", help="One Markdown table of a folder of NAME-cC.json reports (make bench), ratios to a baseline.")(
+    bench_summary_cmd.run)
 app.add_typer(bench, name="bench", help="Load-test an OpenAI-compatible server; `bench compare` gates regressions.")
 
 
