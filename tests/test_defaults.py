@@ -15,7 +15,8 @@ from llmopt.recipes.spec import parse_recipe
 from llmopt.stages import registry
 from llmopt.stages.bench.stage import BenchStageConfig
 from llmopt.stages.eval.config import EvalConfig
-from llmopt.stages.options import REQUIRED, flag
+from llmopt.stages.offline.config import SHARED, OfflineConfig
+from llmopt.stages.options import REQUIRED, Options, flag
 from llmopt.stages.profile.config import ProfileConfig
 from llmopt.stages.prune.config import PruneConfig
 from llmopt.stages.quantize.config import QuantizeConfig
@@ -43,8 +44,16 @@ CLI_ONLY = {
     "shard": {"source", "output", "force", "json"},
     "eval": {"source", "store", "json"},
     "profile": {"sources", "json_file", "html_file", "per_layer"},
-    "bench": {"ctx", "url", "server", "model", "api_key", "json", "plot", "quiet"},
+    "bench": {"ctx", "url", "server", "offline", "model", "api_key", "json", "plot", "quiet"},
 }
+
+
+def command_schema(kind: str) -> Options:
+    """The options a command takes: its stage's; `llmopt bench` also takes --offline's own (after them)."""
+    schema = registry.stage(kind).options
+    if kind != "bench":
+        return schema
+    return Options(*schema.values(), *(o for o in OfflineConfig.options().values() if o.name not in schema))
 
 
 class Captured(Exception):
@@ -91,7 +100,7 @@ def _base_type(hint) -> tuple[type, bool]:
 @pytest.mark.parametrize("kind", list(CASES))
 def test_each_commands_options_are_its_stages(kind):
     command = CASES[kind][0]
-    schema = registry.stage(kind).options
+    schema = command_schema(kind)
     params = inspect.signature(command).parameters
     hints = typing.get_type_hints(command, include_extras=True)
     assert CLI_ONLY[kind] <= set(params)
@@ -109,6 +118,15 @@ def test_each_commands_options_are_its_stages(kind):
             assert kind_ is option.kind, name
         assert optional == option.optional, name
         assert flag(name) in _spellings(kind)[name], (name, _spellings(kind)[name])
+
+
+def test_bench_offline_builds_the_offline_configs_defaults(tiny_hf, monkeypatch):
+    monkeypatch.setattr("llmopt.stages.offline.run.run_offline", _capture(OfflineConfig))
+    with pytest.raises(Captured) as caught:
+        main(["--debug", "bench", "--offline", str(tiny_hf[0])])
+    assert caught.value.args[0] == OfflineConfig()
+    for name in SHARED:  # the prompt and sampling options are the online bench's own, defaults and all
+        assert OfflineConfig.options()[name] is BenchStageConfig.options()[name]
 
 
 def _spellings(kind: str) -> dict[str, list[str]]:
