@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import gc
 import statistics
-from contextlib import contextmanager
 
 from ..errors import ConfigError
+from ..profile.machine import torch_threads
 from ..progress import StageHooks
 from .baseline import Vocabulary, hf_decode_ms_per_token, hf_throughput, vocabulary
 from .config import OfflineConfig
@@ -48,20 +48,6 @@ def _check_lengths(prompts: list[Prompt], directory, config: OfflineConfig) -> N
     if len(longest.ids) + longest.output_len + extra > positions:
         raise ConfigError(f"a prompt of {len(longest.ids)} tokens and {longest.output_len + extra} new tokens passes "
                           f"the model's {positions} positions; lower --input-len or --output-len, or pick shorter prompts")
-
-
-@contextmanager
-def torch_threads(threads: int | None):
-    """Yields the thread count in force: `threads`, or torch's own; the caller's count is restored after."""
-    import torch
-
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        yield torch.get_num_threads()
-    finally:
-        torch.set_num_threads(before)
 
 
 def _measure_all(sources: list[str], prompts: list[Prompt], config: OfflineConfig, vocab: Vocabulary,
