@@ -61,9 +61,10 @@ class _Soak:
         c = self.counts
         while c["submitted"] < last and c["submitted"] - c["finished"] < self.in_flight:
             i = c["submitted"]
+            ids = self.prompt()  # the prompt's draws before the length's: one seed, one request mix
             params = SamplingParams(max_tokens=self.rng.randint(*NEW_TOKENS), temperature=TEMPERATURE, seed=i,
                                     ignore_eos=True)
-            self.engine.add_request(f"r{i}", prompt_token_ids=self.prompt(), params=params)
+            self.engine.add_request(f"r{i}", prompt_token_ids=ids, params=params)
             if i % ABORT_EVERY == ABORT_EVERY - 1:
                 to_abort.add(f"r{i}")
             c["submitted"] += 1
