@@ -7,6 +7,10 @@ from ..errors import ConfigError
 from ..options import FromOptions, Option, Options
 
 DEVICES = ("cpu", "cuda")
+SYNTHETIC_SHAPES = {  # --synthetic: hidden, intermediate, heads, kv heads, head dim, vocab
+    "llama3-8b": (4096, 14336, 32, 8, 128, 128256),
+    "tiny": (256, 512, 8, 2, 32, 4096),
+}
 # --quick: about a minute for two sources on a 2-core CPU (the full sweep takes several).
 QUICK = dict(prompt_lens=(128, 512), batch_sizes=(1, 4, 16), context_lens=(128, 1024), decode_context=256,
              repeats=2, decode_steps=6, profile_steps=3, copy_mib=128)
@@ -108,11 +112,8 @@ class ProfileConfig(FromOptions):
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
         if not self.max_rss_growth_mib > 0:
             raise ConfigError(f"--max-rss-growth-mib must be positive (got {self.max_rss_growth_mib})")
-        if self.synthetic is not None:
-            from .synthetic import SHAPES
-
-            if self.synthetic not in SHAPES:
-                raise ConfigError(f"--synthetic {self.synthetic}: choose one of {', '.join(SHAPES)}")
+        if self.synthetic is not None and self.synthetic not in SYNTHETIC_SHAPES:
+            raise ConfigError(f"--synthetic {self.synthetic}: choose one of {', '.join(SYNTHETIC_SHAPES)}")
 
     def to_dict(self) -> dict:
         return asdict(self)

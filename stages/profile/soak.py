@@ -27,7 +27,7 @@ PROMPT_RECORDS, PROMPT_TOKENS, NEW_TOKENS, TEMPERATURE = 200, (8, 64), (4, 16), 
 
 
 @dataclass
-class _Soak:
+class Soak:
     """The engine, the request source, and what has happened so far."""
 
     engine: object
@@ -100,16 +100,16 @@ def run_soak(source: str, config: ProfileConfig, hooks: StageHooks | None = None
                           dtype=None if config.dtype in (None, "auto") else config.dtype)
     texts = [r.prompt for r in load_requests(DatasetConfig("sharegpt", PROMPT_RECORDS, shuffle=False))]
     pool = [ids for ids in map(engine.tokenizer.encode, texts) if len(ids) >= PROMPT_TOKENS[0]]
-    soak = _Soak(engine, pool, random.Random(0), config.soak_in_flight)
+    soak = Soak(engine, pool, random.Random(0), config.soak_in_flight)
     start = time.perf_counter()
     soak.run(min(WARMUP, config.soak), None, hooks.status)  # drained: every batch size up to in_flight seen
     soak.read(0, hooks.status)
     warm = dict(soak.counts)
     soak.run(config.soak, min(READ_EVERY, max(1, config.soak // 10)), hooks.status)
-    return _result(source, config, soak, warm, time.perf_counter() - start)
+    return soak_report(source, config, soak, warm, time.perf_counter() - start)
 
 
-def _result(source: str, config: ProfileConfig, soak: _Soak, warm: dict, seconds: float) -> dict:
+def soak_report(source: str, config: ProfileConfig, soak: Soak, warm: dict, seconds: float) -> dict:
     stats = soak.engine.stats()
     growth = (soak.readings[-1][1] - soak.readings[0][1]) / 2**20
     problems = []

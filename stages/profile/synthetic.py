@@ -19,13 +19,10 @@ import time
 import torch
 
 from ..progress import StageHooks
+from .config import SYNTHETIC_SHAPES as SHAPES
 from .config import ProfileConfig
 from .tables import TableData
 
-SHAPES = {  # hidden, intermediate, heads, kv heads, head dim, vocab
-    "llama3-8b": (4096, 14336, 32, 8, 128, 128256),
-    "tiny": (256, 512, 8, 2, 32, 4096),
-}
 DEFAULT_LAYERS = 4
 BLOCK_SIZE = 16
 

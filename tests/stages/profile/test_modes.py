@@ -9,7 +9,7 @@ import pytest
 from llmopt.cli.main import main
 from llmopt.stages.profile.config import MODE_PRESETS, ProfileConfig
 from llmopt.stages.profile.matmuls import SCHEMES, step_shapes
-from llmopt.stages.profile.soak import _result, _Soak
+from llmopt.stages.profile.soak import soak_report, Soak
 from llmopt.stages.serve.model import ModelSpec
 from tests.helpers import write_hf_dir
 
@@ -38,9 +38,9 @@ def test_soak_frees_every_block_and_counts_its_aborts(tiny_hf, tmp_path, capsys)
 
 def test_a_soak_that_leaks_fails():
     stats = SimpleNamespace(num_free_blocks=60, num_blocks=64, num_running=0, num_waiting=0)
-    soak = _Soak(SimpleNamespace(stats=lambda: stats), [], None, 4)
+    soak = Soak(SimpleNamespace(stats=lambda: stats), [], None, 4)
     soak.readings = [(0, 100 * 2**20, 10), (40, 140 * 2**20, 10)]
-    report = _result("m", ProfileConfig(soak=40), soak, dict(soak.counts), 1.0)
+    report = soak_report("m", ProfileConfig(soak=40), soak, dict(soak.counts), 1.0)
     assert not report["passed"] and report["rss_growth_mib"] == 40
     assert report["problems"] == ["blocks still in use: 4 of 64", "RSS grew 40.0 MiB after the warm-up (bound 32 MiB)"]
 
