@@ -8,6 +8,8 @@ import time
 
 import torch
 
+HOST = torch.device("cpu")  # where the process's resident set is read, whatever device computes
+
 
 def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work, so wall-clock timings cover it (a no-op on CPU)."""
