@@ -25,11 +25,20 @@ class EngineRun:
 
 def build(source: str, config: OfflineConfig, max_num_seqs: int):
     """The serve engine on `source`, as `llmopt serve` builds it, with this running-batch limit."""
+    from ..model_io import parse_dtype
     from ..serve.engine.build import build_engine
     from ..serve.engine.config import EngineConfig
 
-    dtype = None if config.dtype == "auto" else config.dtype
-    return build_engine(source, EngineConfig(max_num_seqs=max_num_seqs), device=config.device, dtype=dtype)
+    return build_engine(source, EngineConfig(max_num_seqs=max_num_seqs), device=config.device,
+                        dtype=parse_dtype(config.dtype))
+
+
+def release(engine) -> None:
+    """Stop a tensor-parallel engine's ranks and leave its process group, so the next engine (the timed
+    one after the warm-up, the next source) can form its own; nothing to do for one process."""
+    ranks = getattr(engine.runner, "ranks", None)
+    if ranks is not None:
+        ranks.close()
 
 
 def params(config: OfflineConfig, max_tokens: int, index: int, ignore_eos: bool | None = None):
@@ -52,10 +61,14 @@ def throughput(source: str, prompts: list[Prompt], config: OfflineConfig) -> Eng
     limit = running_limit(config, prompts)
     engine = build(source, config, limit)
     engine.generate([p.ids for p in prompts[:WARMUP_PROMPTS]], params(config, WARMUP_TOKENS, 0))
+    release(engine)
     engine = build(source, config, limit)
-    start = time.perf_counter()
-    finals = run_to_end(engine, prompts, config)
-    seconds = time.perf_counter() - start
+    try:
+        start = time.perf_counter()
+        finals = run_to_end(engine, prompts, config)
+        seconds = time.perf_counter() - start
+    finally:
+        release(engine)
     ttfts = [o.first_token_time - o.arrival_time for o in finals if o.first_token_time is not None]
     tpots = [(o.finish_time - o.first_token_time) / (len(o.token_ids) - 1) for o in finals if len(o.token_ids) > 1]
     return EngineRun([list(o.token_ids) for o in finals], seconds, ttfts, tpots)
@@ -83,6 +96,13 @@ def decode_ms_per_token(source: str, prompts: list[Prompt], config: OfflineConfi
     ignored; per prompt, the median step after the first (which holds the prefill), in ms. A step is
     all a decode step costs in the engine: scheduling, the model, sampling, detokenization."""
     engine = build(source, config, 1)
+    try:
+        return _decode_each(engine, prompts, config)
+    finally:
+        release(engine)
+
+
+def _decode_each(engine, prompts: list[Prompt], config: OfflineConfig) -> list[float]:
     engine.generate([prompts[0].ids], params(config, DECODE_WARMUP_TOKENS, 0, ignore_eos=True))
     per_prompt = []
     for i, prompt in enumerate(prompts):

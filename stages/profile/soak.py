@@ -92,12 +92,13 @@ class Soak:
 def run_soak(source: str, config: ProfileConfig, hooks: StageHooks | None = None) -> dict:
     """The soak on `source`; the report says whether it passed (`passed`, and `problems` if not)."""
     from ..bench.dataset import DatasetConfig, load_requests
+    from ..model_io import parse_dtype
     from ..serve.engine.build import build_engine
     from ..serve.engine.config import EngineConfig
 
     hooks = hooks or StageHooks()
     engine = build_engine(source, EngineConfig(max_num_seqs=config.soak_in_flight), device=config.device,
-                          dtype=None if config.dtype in (None, "auto") else config.dtype)
+                          dtype=parse_dtype(config.dtype))
     texts = [r.prompt for r in load_requests(DatasetConfig("sharegpt", PROMPT_RECORDS, shuffle=False))]
     pool = [ids for ids in map(engine.tokenizer.encode, texts) if len(ids) >= PROMPT_TOKENS[0]]
     soak = Soak(engine, pool, random.Random(0), config.soak_in_flight)

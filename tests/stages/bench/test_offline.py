@@ -99,3 +99,15 @@ def test_bad_offline_options_give_one_line_and_exit_2(argv, expect, tiny_hf, cap
     assert main(["bench", *(str(tiny_hf[0]) if a == "SRC" else a for a in argv)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expect in err, err
+
+
+def test_a_sharded_artifact_agrees_with_its_source_token_for_token(tiny_hf, tmp_path):
+    from llmopt.stages.shard.config import ShardConfig
+    from llmopt.stages.shard.run import run_shard
+
+    sharded = run_shard(str(tiny_hf[0]), tmp_path / "tp2", ShardConfig(2))
+    report = _offline(tmp_path, [tiny_hf[0], sharded.path], "--num-prompts", "3", "--output-len", "5", "--ignore-eos",
+                      "--baseline", "none")
+    source, tp2 = report["rows"]
+    assert source["identical_to_first"] is None and tp2["identical_to_first"] == 3
+    assert tp2["output_tokens"] == source["output_tokens"] == 15
