@@ -8,17 +8,14 @@ from fastapi.testclient import TestClient
 from llmopt.stages.serve.baseline.app import build_app
 from llmopt.stages.serve.baseline.hf import generate_batches, generated, load_model, ms_per_token, sampling_kwargs
 from llmopt.stages.serve.baseline.worker import Baseline
-from tests.helpers import write_hf_dir
-from tests.stages.serve.http.conftest import CHAT_TEMPLATE
+from tests.stages.serve.http.conftest import model_dir  # noqa: F401  (the tiny model with a chat template)
 
 
 @pytest.fixture(scope="module")
-def chat_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("baseline")
-    _, tok = write_hf_dir(path)
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(path)
-    return path, load_model(path, "fp32"), tok
+def chat_model(model_dir):
+    from transformers import AutoTokenizer
+
+    return model_dir, load_model(model_dir, "fp32"), AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")
