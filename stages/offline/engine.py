@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from .config import OfflineConfig
 from .prompts import Prompt
 
-WARMUP_PROMPTS, WARMUP_TOKENS = 2, 4  # throughput: on a throwaway engine, so the timed one starts cold-cached
+WARMUP_PROMPTS, WARMUP_TOKENS = 2, 4  # throughput: on a throwaway engine (process warm, timed prefix cache empty)
 DECODE_WARMUP_TOKENS = 8  # batch-1: one request first, on the timed engine
 
 
@@ -42,6 +42,7 @@ def release(engine) -> None:
 
 
 def params(config: OfflineConfig, max_tokens: int, index: int, ignore_eos: bool | None = None):
+    """Request `index`'s sampling: the run's temperature (seeded per request when sampling), its EOS rule."""
     from ..serve.engine.config import SamplingParams
 
     seed = config.dataset.seed + index if config.temperature > 0 else None
