@@ -31,26 +31,80 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	bash scripts/demo.sh
 
-# llmopt serve (base, W8A16, W4A16 of smollm2-135m) vs the transformers baseline -> bench-results/
-bench: $(STAMP)
-	PY=$(PY) bash scripts/bench.sh
+# Benchmarks: every measurement is an llmopt command (docs/bench.md). Knobs are Make variables, also read
+# from the environment: BENCH_PROMPTS, BENCH_OUTPUT_LEN, BENCH_CONCURRENCY, BENCH_RUNS (ENGINE:ARTIFACT[@DTYPE]:
+# @bf16 serves in bf16, reported as NAME-bf16), BENCH_SERVE_ARGS (extra llmopt serve options), BENCH_URLS
+# ("NAME=URL ...": servers already running, e.g. llama.cpp's llama-server or vLLM, benched with the same
+# load), BENCH_OUT (bench-results), BENCH_ARTIFACTS (out/bench).
+LLMOPT := $(PY) -m llmopt.cli.main
+BENCH_OUT ?= bench-results
+BENCH_ARTIFACTS ?= out/bench
+BENCH_PROMPTS ?= 16
+BENCH_OUTPUT_LEN ?= 64
+BENCH_CONCURRENCY ?= 1 4 16
+BENCH_RUNS ?= hf:base llmopt:base llmopt:base@bf16 llmopt:w8a16 llmopt:w4a16
+BENCH_SERVE_ARGS ?=
+BENCH_URLS ?=
+BENCH_LOAD = --dataset sharegpt --num-prompts $(BENCH_PROMPTS) --output-len $(BENCH_OUTPUT_LEN) --ignore-eos \
+	--request-rate inf --warmup 1 --seed 0 --quiet
+# base: the import of smollm2-135m; w8a16 / w4a16: RTN from the base. Built once (kept while llmopt.json exists).
+ART = $(BENCH_ARTIFACTS)
+BENCH_NAMES = $(sort $(foreach r,$(BENCH_RUNS),$(firstword $(subst @, ,$(lastword $(subst :, ,$(r)))))))
 
-# the serve engine offline (base, W8A16, W4A16) vs transformers generate in static batches of 8,
-# first 100 ShareGPT prompts; batch-1 decode (one request at a time) vs transformers generate;
-# then 2,000 short requests with aborts: blocks all freed, RSS flat
-bench-engine: $(STAMP)
-	PY=$(PY) bash scripts/bench.sh artifacts
-	$(PY) scripts/bench_decode.py out/bench/base out/bench/w8a16 out/bench/w4a16 --json bench-results/decode.json
-	$(PY) scripts/bench_engine.py out/bench/base --also out/bench/w8a16 out/bench/w4a16 --json bench-results/engine.json
-	$(PY) scripts/bench_engine_memory.py out/bench/base --json bench-results/engine-memory.json
+$(ART)/base/llmopt.json: | $(STAMP)
+	$(LLMOPT) import smollm2-135m -o $(@D) --force
 
+$(ART)/w%/llmopt.json: | $(ART)/base/llmopt.json
+	$(LLMOPT) quantize $(ART)/base -o $(@D) --method rtn --scheme W$(subst a,A,$*) --eval-windows 0 --force
+
+# llmopt serve on each artifact (and the transformers baseline server, --engine hf) under the same load at
+# each concurrency, one report per run in $(BENCH_OUT)/ENGINE-ARTIFACT[-DTYPE]-cC.json, then summary.md.
+bench: $(STAMP) $(foreach n,$(BENCH_NAMES),$(ART)/$(n)/llmopt.json)
+	@mkdir -p $(BENCH_OUT); start=$$SECONDS; \
+	for run in $(BENCH_RUNS); do \
+	    engine=$${run%%:*} name=$${run#*:} dtype=; \
+	    if [[ $$name == *@* ]]; then dtype=$${name#*@} name=$${name%@*}; fi; \
+	    label=$$engine-$$name$${dtype:+-$$dtype} extra=(); \
+	    if [[ -n $$dtype ]]; then extra+=(--serve-args "--dtype $$dtype"); fi; \
+	    if [[ $$engine == llmopt && -n "$(BENCH_SERVE_ARGS)" ]]; then extra+=(--serve-args "$(BENCH_SERVE_ARGS)"); fi; \
+	    for c in $(BENCH_CONCURRENCY); do \
+	        echo "== $$engine on $$name$${dtype:+ in $$dtype}, concurrency $$c ($$((SECONDS - start)) s so far)" >&2; \
+	        $(LLMOPT) bench --server $(ART)/$$name --engine $$engine "$${extra[@]}" $(BENCH_LOAD) \
+	            --max-concurrency $$c --json $(BENCH_OUT)/$$label-c$$c.json > $(BENCH_OUT)/$$label-c$$c.txt || exit 1; \
+	    done; \
+	done; \
+	for entry in $(BENCH_URLS); do \
+	    for c in $(BENCH_CONCURRENCY); do \
+	        echo "== $${entry%%=*} at $${entry#*=}, concurrency $$c" >&2; \
+	        $(LLMOPT) bench --url $${entry#*=} $(BENCH_LOAD) --max-concurrency $$c \
+	            --json $(BENCH_OUT)/$${entry%%=*}-c$$c.json > $(BENCH_OUT)/$${entry%%=*}-c$$c.txt || exit 1; \
+	    done; \
+	done; \
+	$(LLMOPT) bench summary $(BENCH_OUT) --baseline hf-base && echo "make bench: $$((SECONDS - start)) s; reports in $(BENCH_OUT)/" >&2
+
+# The engine offline (no HTTP) on base, W8A16 and W4A16 against transformers generate in static batches of 8:
+# the first 100 ShareGPT prompts as chat, greedy, up to 128 new tokens, all given to the engine at once.
+# Then batch-1 decode (one request at a time, 5 prompts x 64 tokens) against transformers,
+# then 2,000 short requests with aborts: every block freed, RSS flat.
+OFFLINE_SOURCES = $(foreach n,base w8a16 w4a16,--offline $(ART)/$(n))
+OFFLINE_LOAD = --dataset sharegpt --disable-shuffle --endpoint chat --dtype fp32 --quiet
+bench-engine: $(STAMP) $(foreach n,base w8a16 w4a16,$(ART)/$(n)/llmopt.json)
+	@mkdir -p $(BENCH_OUT)
+	$(LLMOPT) bench $(OFFLINE_SOURCES) $(OFFLINE_LOAD) --num-prompts 5 --output-len 64 --ignore-eos \
+	    --max-concurrency 1 --json $(BENCH_OUT)/decode.json
+	$(LLMOPT) bench $(OFFLINE_SOURCES) $(OFFLINE_LOAD) --num-prompts 100 --output-len 128 \
+	    --hf-batch-size 8 --json $(BENCH_OUT)/engine.json
+	$(LLMOPT) profile $(ART)/base --soak 2000 --json $(BENCH_OUT)/engine-memory.json
+
+# One decode step's matmuls of SmolLM2-135M per weight scheme (fp32, bf16, W8A16, W8A8, W4A16).
 bench-kernels: $(STAMP)
-	$(PY) scripts/bench_kernels.py
+	@mkdir -p $(BENCH_OUT)
+	$(LLMOPT) profile smollm2-135m --kernels --json $(BENCH_OUT)/kernels.json
 
-# The HTTP API against its own OpenAPI spec (make test runs a small bounded version): no 5xx.
+# The HTTP API against its own OpenAPI spec (make test runs a small bounded version): no 5xx. With
+# LLMOPT_FUZZ_EXAMPLES set, the test also runs the schemathesis CLI's phases (LLMOPT_FUZZ_MAX_TIME s).
 fuzz: $(STAMP)
 	LLMOPT_FUZZ_EXAMPLES=200 $(PY) -m pytest -q -p no:cacheprovider tests/stages/serve/http/test_fuzz.py
-	$(PY) scripts/fuzz_http.py --max-examples 200 --max-time 300
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

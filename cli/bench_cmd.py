@@ -1,4 +1,5 @@
-"""llmopt bench: load-test an OpenAI-compatible server, a running one (--url) or one started for the run (--server)."""
+"""llmopt bench: load-test an OpenAI-compatible server, a running one (--url) or one started for the run (--server);
+or run sources through the engine in this process, without HTTP (--offline, in bench_offline_cmd.py)."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -8,12 +9,13 @@ from typing import Annotated, Optional
 import typer
 
 from llmopt.stages.bench.stage import OPTIONS
+from llmopt.stages.offline.config import OPTIONS as OFFLINE_OPTIONS
 
 from . import bench_view
-from .options import stage_options
+from .options import DType, stage_options
 from .ui import err, note
 
-D = OPTIONS.defaults
+D, OD = OPTIONS.defaults, OFFLINE_OPTIONS.defaults
 Opt = typer.Option
 ServeArgs = Annotated[Optional[list[str]], Opt("--serve-args", help="Options for the started server, one string "
                                                 "(repeatable), e.g. --serve-args '--max-num-seqs 32'.")]
@@ -23,7 +25,9 @@ FailOn = Annotated[Optional[str], Opt("--fail-on", help="Exit 1 if any holds: 'p
 def run(ctx: typer.Context,
         url: Annotated[Optional[str], Opt("--url", help="Base URL of a running server, e.g. http://127.0.0.1:8000.")] = None,
         server: Annotated[Optional[str], Opt("--server", help="Model source: start a server on it for the run.")] = None,
-        engine: Annotated[str, Opt("--engine", help="--server engine: llmopt (llmopt serve) | hf (transformers baseline).")] = D.engine,
+        offline: Annotated[Optional[list[str]], Opt("--offline", help="Model source to run through the engine in this "
+                                                    "process, no HTTP (repeatable: side by side).")] = None,
+        engine: Annotated[str, Opt("--engine", help="llmopt (llmopt serve / LLMEngine) | hf (transformers baseline).")] = D.engine,
         serve_args: ServeArgs = D.serve_args,
         server_timeout: Annotated[float, Opt("--server-timeout", help="Seconds to wait for the server's /health.")] = D.server_timeout,
         model: Annotated[Optional[str], Opt("--model", help="Model name to send (default: the first of /v1/models).")] = None,
@@ -34,6 +38,7 @@ def run(ctx: typer.Context,
         input_len: Annotated[int, Opt("--input-len", min=1, help="random: prompt tokens.")] = D.input_len,
         output_len: Annotated[Optional[int], Opt("--output-len", min=1, help="max_tokens (default: the reply's length, else 128).")] = D.output_len,
         tokenizer: Annotated[Optional[str], Opt("--tokenizer", help="Model source whose tokenizer counts prompt tokens.")] = D.tokenizer,
+        disable_shuffle: Annotated[bool, Opt("--disable-shuffle", help="The first --num-prompts records in file order, unshuffled.")] = D.disable_shuffle,
         request_rate: Annotated[str, Opt("--request-rate", help="Requests per second, or inf (all at once).")] = D.request_rate,
         burstiness: Annotated[float, Opt("--burstiness", help="Gamma shape of arrivals: 1 Poisson, <1 burstier.")] = D.burstiness,
         max_concurrency: Annotated[Optional[int], Opt("--max-concurrency", min=1)] = D.max_concurrency,
@@ -44,6 +49,12 @@ def run(ctx: typer.Context,
         timeout: Annotated[float, Opt("--timeout", help="Per-request read timeout, seconds.")] = D.timeout,
         slo: Annotated[Optional[str], Opt("--slo", help="Goodput SLOs: 'ttft_ms=500,tpot_ms=50,e2e_ms=3000'.")] = D.slo,
         fail_on: FailOn = D.fail_on,
+        baseline: Annotated[str, Opt("--baseline", help="--offline: hf (transformers generate on the first source) | none.")] = OD.baseline,
+        hf_batch_size: Annotated[int, Opt("--hf-batch-size", help="--offline: transformers' static batch size.")] = OD.hf_batch_size,
+        dtype: Annotated[DType, Opt("--dtype", help="--offline: both sides' dtype (auto keeps the checkpoint's).")] = DType(OD.dtype),
+        device: Annotated[str, Opt("--device", help="--offline: cpu | cuda")] = OD.device,
+        threads: Annotated[Optional[int], Opt("--threads", help="--offline: torch threads (default: torch's).")] = OD.threads,
+        repeats: Annotated[int, Opt("--repeats", help="--offline: runs per source, median reported.")] = OD.repeats,
         json: Annotated[Optional[Path], Opt("--json", help="Write the report as JSON to this file.")] = None,
         plot: Annotated[Optional[Path], Opt("--plot", help="Write latency CDFs and throughput to this PNG.")] = None,
         quiet: Annotated[bool, Opt("--quiet", help="No live progress display.")] = False) -> None:
@@ -53,8 +64,14 @@ def run(ctx: typer.Context,
     from llmopt.stages.bench.run import BenchHooks, bench_source, load_bench_requests
     from llmopt.stages.errors import ConfigError
 
+    from .bench_offline_cmd import check_mode, run_offline
+
+    check_mode(ctx, offline=bool(offline))
+    if offline:
+        raise typer.Exit(run_offline(offline, stage_options(locals(), OFFLINE_OPTIONS), json, quiet))
     if (url is None) == (server is None):
-        raise ConfigError("give --url URL of a running server, or --server SOURCE to start one")
+        raise ConfigError("give --url URL of a running server, or --server SOURCE to start one "
+                          "(or --offline SOURCE: the engine in this process)")
     config = BenchStageConfig.from_options(stage_options(locals(), OPTIONS)).aimed_at(url, model, api_key)
     with err.status(f"loading tokenizer {tokenizer}") if tokenizer else nullcontext():
         requests = load_bench_requests(config)

@@ -1,4 +1,4 @@
-"""How `llmopt bench` looks: the live progress line, the report tables and the comparison table."""
+"""How `llmopt bench` looks: the live progress line, the report tables, the offline table and the comparison table."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -93,6 +93,38 @@ def render_compare(rows, base_name: str, new_name: str, bound: float) -> None:
         table.add_row(row.metric, _num(row.base), _num(row.new), change,
                       f"[{style}]{row.verdict}[/{style}]" if style else row.verdict)
     out.print(table)
+
+
+def render_offline(report: dict) -> None:
+    """`llmopt bench --offline`'s table: one row per engine and source."""
+    batch1 = report["mode"] == "batch-1 decode"
+    title = (f"offline {report['mode']}: {report['dataset']}, {report['num_prompts']} prompts, {report['dtype']}, "
+             f"{report['threads']} thread(s)")
+    table = Table(title=title, title_justify="left")
+    columns = (["engine", "source", "ms/token", "tok/s", "x transformers"] if batch1 else
+               ["engine", "source", "output tokens", "seconds", "output tok/s", "x transformers", "identical",
+                "median TTFT ms", "median TPOT ms"])
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("engine", "source") else "right")
+    for row in report["rows"]:
+        ratio = "-" if row["x_transformers"] is None else f"{row['x_transformers']:.2f}x"
+        if batch1:
+            table.add_row(row["engine"], row["source"], _num(row["ms_per_token"]), _num(row["tok_s"]), ratio)
+            continue
+        table.add_row(row["engine"], row["source"], _num(row["output_tokens"]), _num(row["seconds"]),
+                      _num(row["output_tok_s"]), ratio, _identical(row, report["num_prompts"]),
+                      _num(row.get("median_ttft_ms")), _num(row.get("median_tpot_ms")))
+    out.print(table)
+
+
+def _identical(row: dict, total: int) -> str:
+    """Sequences identical to transformers' (and, after the first source, to the first source's)."""
+    parts = []
+    if row.get("identical_to_transformers") is not None:
+        parts.append(f"{row['identical_to_transformers']}/{total}")
+    if row.get("identical_to_first") is not None:
+        parts.append(f"{row['identical_to_first']}/{total} vs first")
+    return ", ".join(parts) or "-"
 
 
 def _num(value) -> str:

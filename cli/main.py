@@ -10,8 +10,8 @@ from typer.exceptions import TyperException
 
 from llmopt.stages.errors import LlmoptError
 
-from . import (bench_cmd, bench_compare_cmd, eval_cmd, generate_cmd, import_cmd, inspect_cmd, profile_cmd, prune_cmd,
-               quantize_cmd, run_cmd, serve_cmd, shard_cmd)
+from . import (bench_cmd, bench_compare_cmd, bench_summary_cmd, eval_cmd, generate_cmd, import_cmd, inspect_cmd,
+               profile_cmd, prune_cmd, quantize_cmd, run_cmd, serve_cmd, shard_cmd)
 
 app = typer.Typer(
     name="llmopt", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -28,11 +28,15 @@ app.command("generate", help="Offline generation through the serve engine (one p
 app.command("profile", help="Where time and memory go on the serve engine: roofline, per-layer/op, capacity plan, HTML.")(profile_cmd.run)
 app.command("serve", help="OpenAI-compatible HTTP server: streaming, metrics, health, backpressure, auth.")(serve_cmd.run)
 bench = typer.Typer(invoke_without_command=True, add_completion=False, help=(
-    "Load-test an OpenAI-compatible server: throughput, TTFT, TPOT, ITL and end-to-end latency."))
+    "Load-test an OpenAI-compatible server: throughput, TTFT, TPOT, ITL and end-to-end latency; or, with --offline, "
+    "the engine in this process against transformers."))
 bench.callback()(bench_cmd.run)
 bench.command("compare", help="Side-by-side table of two --json reports; exit 1 on a regression beyond the bound.")(
     bench_compare_cmd.run)
-app.add_typer(bench, name="bench", help="Load-test an OpenAI-compatible server; `bench compare` gates regressions.")
+bench.command("summary", help="One Markdown table of a folder of NAME-cC.json reports (make bench), ratios to a baseline.")(
+    bench_summary_cmd.run)
+app.add_typer(bench, name="bench", help="Load-test an OpenAI-compatible server (or the engine offline); `bench compare` "
+              "gates regressions.")
 
 
 @app.callback()

@@ -1,20 +1,23 @@
 """llmopt profile SOURCE [SOURCE ...]: latency, roofline, per-layer/op time, memory and capacity on
-the serve engine's code path, as tables, --json FILE and a self-contained --html FILE."""
+the serve engine's code path, as tables, --json FILE and a self-contained --html FILE; or, instead of
+that sweep, the memory soak (--soak N), one decode step's matmuls (--kernels) or a synthetic model
+(--synthetic SHAPE)."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
 
 from llmopt.stages.profile.config import OPTIONS
 
+from . import profile_view
 from .options import stage_options
-from .ui import note, out, progress_bar
+from .ui import note, progress_bar
 
 D = OPTIONS.defaults
-Sources = Annotated[list[str], typer.Argument(help="Model sources (artifact, HF dir, .gguf, alias) to compare.")]
+Sources = Annotated[Optional[list[str]], typer.Argument(help="Model sources (artifact, HF dir, .gguf, alias) to "
+                                                             "compare (none with --synthetic).", show_default=False)]
 Ints = Optional[str]
 
 
@@ -22,7 +25,7 @@ def _opt(name: str, help: str):
     return typer.Option(name, help=help)
 
 
-def run(sources: Sources,
+def run(sources: Sources = None,
         quick: Annotated[bool, _opt("--quick", "A short sweep (about a minute per source on 2 CPU cores).")] = D.quick,
         json_file: Annotated[Optional[Path], _opt("--json", "Write the full report as JSON to FILE.")] = None,
         html_file: Annotated[Optional[Path], _opt("--html", "Write a self-contained HTML report to FILE.")] = None,
@@ -38,34 +41,52 @@ def run(sources: Sources,
         memory_budget: Annotated[Optional[str], _opt("--memory-budget", "Planner: 8GiB, or 0.9 of free.")] = D.memory_budget,
         plan_context: Annotated[Optional[int], _opt("--plan-context", "Planner: tokens per sequence.")] = D.plan_context,
         target_tpot_ms: Annotated[Optional[float], _opt("--target-tpot-ms", "Planner: latency target.")] = D.target_tpot_ms,
+        soak: Annotated[Optional[int], _opt("--soak", "Instead: N short requests, every fifth aborted; "
+                                                      "exit 1 unless every block comes back and RSS stays flat.")] = D.soak,
+        soak_in_flight: Annotated[int, _opt("--soak-in-flight", "Soak: requests running at once.")] = D.soak_in_flight,
+        max_rss_growth_mib: Annotated[float, _opt("--max-rss-growth-mib", "Soak: RSS growth that fails it.")]
+        = D.max_rss_growth_mib,
+        kernels: Annotated[bool, _opt("--kernels", "Instead: one decode step's matmuls per weight scheme, "
+                                                   "on SOURCE's shapes.")] = D.kernels,
+        synthetic: Annotated[Optional[str], _opt("--synthetic", "Instead: the engine on random weights of a "
+                                                            "shape: llama3-8b | tiny.")] = D.synthetic,
+        layers: Annotated[Optional[int], _opt("--layers", "--kernels / --synthetic: decoder layers.")] = D.layers,
         per_layer: Annotated[bool, _opt("--per-layer", "Print every layer's row in the terminal.")] = False) -> None:
     from llmopt.stages.profile.config import ProfileConfig
     from llmopt.stages.profile.html import check_output_path, write_report
+    from llmopt.stages.profile.modes import check_sources
     from llmopt.stages.profile.run import preflight, run_profile
     from llmopt.stages.progress import StageHooks
 
     config = ProfileConfig.from_options(stage_options(locals(), OPTIONS))
+    sources = sources or []
     check_output_path(json_file, "--json")
     check_output_path(html_file, "--html")
+    check_sources(sources, config)
+    if config.mode != "sweep":
+        raise typer.Exit(_measure(sources, config, json_file, html_file))
     preflight(sources, config)
     with progress_bar("profile") as update:
         report = run_profile(sources, config, StageHooks(status=note, window=update))
     write_report(report, json_file, html_file)
-    render(report, per_layer)
+    profile_view.render(report, per_layer)
     for path in (json_file, html_file):
         if path is not None:
             note(f"wrote {path}")
 
 
-def render(report: dict, per_layer: bool) -> None:
-    from llmopt.stages.profile.tables import comparison_table, machine_table, source_tables
+def _measure(sources: list[str], config, json_file: Optional[Path], html_file: Optional[Path]) -> int:
+    """--soak, --kernels or --synthetic: the exit code (1: the soak failed)."""
+    from llmopt.stages.errors import ConfigError
+    from llmopt.stages.profile.html import write_report
+    from llmopt.stages.profile.modes import run_measurement, tables
+    from llmopt.stages.progress import StageHooks
 
-    tables = [machine_table(report)]
-    for s in report["sources"]:
-        tables += source_tables(s, per_layer)
-    for t in tables + [comparison_table(report)]:
-        table = Table(*t.columns, title=t.title, title_justify="left", caption=t.note or None,
-                      caption_justify="left")
-        for row in t.rows:
-            table.add_row(*row)
-        out.print(table)
+    if html_file is not None:
+        raise ConfigError(f"--html is the sweep's report; --{config.mode} writes --json only")
+    report = run_measurement(sources, config, StageHooks(status=note))
+    write_report(report, json_file)
+    profile_view.print_tables(tables(report))
+    if json_file is not None:
+        note(f"wrote {json_file}")
+    return 0 if report.get("passed", True) else 1

@@ -5,8 +5,8 @@
 #   2. triton.testing.do_bench medians: w4a16 / w8a16 / w8a8 at M in {1, 16, 64} on 4096x4096
 #      and 4096x14336 against cuBLAS fp16, and paged decode attention (batch 32, context 2048)
 #      as a share of the HBM bandwidth measured in the same run.
-#   3. the serve engine (scripts/gpu_engine_check.py) on a synthetic Llama-3-8B-shaped model of 4
-#      random layers, built in the script: decode tokens/s at batch 1 and 32 and the share of the
+#   3. the serve engine (`llmopt profile --synthetic llama3-8b`) on a synthetic Llama-3-8B-shaped model
+#      of 4 random layers, built in memory: decode tokens/s at batch 1 and 32 and the share of the
 #      copy bandwidth its bytes per step reach.
 # Usage: scripts/gpu_check.sh            (PYTHON=... to pick the interpreter; the log also goes
 #        to $OUT/gpu_check.log when OUT is set)
@@ -17,11 +17,12 @@ if [ -z "$PY" ]; then
     if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch,sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null
     then PY=.venv/bin/python; else PY=python3; fi
 fi
-# Without an install, map the folder onto the llmopt namespace as setup.py does.
-if ! "$PY" -c "import llmopt.kernels" 2>/dev/null; then
+# Without an install, map the folders onto the llmopt namespace as setup.py does (the CLI needs typer
+# and rich besides torch, triton and transformers).
+if ! "$PY" -c "import llmopt.cli.main" 2>/dev/null; then
     SHIM=$(mktemp -d)
     mkdir -p "$SHIM/llmopt"
-    ln -s "$PWD/kernels" "$SHIM/llmopt/kernels"
+    for p in cli stages kernels recipes; do ln -s "$PWD/$p" "$SHIM/llmopt/$p"; done
     export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -77,7 +78,8 @@ print(f"\npaged decode attention, batch {batch}, context {ctx}, {hq}/{hk} heads 
       f"{t:.1f} us, {kv_bytes / (t * 1e-6) / 1e9:.0f} GB/s = {100 * kv_bytes / (t * 1e-6) / 1e9 / hbm:.0f}% of HBM")
 EOF
 echo "== engine: synthetic Llama-3-8B shapes, 4 layers, bf16 =="
-timeout 150 "$PY" scripts/gpu_engine_check.py --json "${OUT:-/tmp}/gpu_engine_check.json" || status=$?
+COLUMNS=160 timeout 150 "$PY" -m llmopt.cli.main profile --synthetic llama3-8b --layers 4 --device cuda --dtype bf16 \
+    --batch-sizes 1,32 --decode-context 512 --decode-steps 64 --json "${OUT:-/tmp}/gpu_engine_check.json" || status=$?
 echo "gpu_check exit status: $status"
 exit "$status"
 } 2>&1 | tee "$LOG"

@@ -170,7 +170,7 @@ def run_layerwise(model, windows: torch.Tensor, method: LayerMethod, device: str
 def _return_freed_memory() -> None:
     """Hand freed heap pages back to the OS between layers. glibc keeps them in per-thread arenas
     otherwise, and a long layer-by-layer run then looks (and is, to the OS) as big as its worst layer
-    times the threads (see scripts/bench_quantize_memory.py)."""
+    times the threads (results.md, "GPTQ peak memory")."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do

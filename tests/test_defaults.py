@@ -15,7 +15,8 @@ from llmopt.recipes.spec import parse_recipe
 from llmopt.stages import registry
 from llmopt.stages.bench.stage import BenchStageConfig
 from llmopt.stages.eval.config import EvalConfig
-from llmopt.stages.options import REQUIRED, flag
+from llmopt.stages.offline.config import SHARED, OfflineConfig
+from llmopt.stages.options import REQUIRED, Options, flag
 from llmopt.stages.profile.config import ProfileConfig
 from llmopt.stages.prune.config import PruneConfig
 from llmopt.stages.quantize.config import QuantizeConfig
@@ -44,12 +45,22 @@ CLI_ONLY = {
     "shard": {"source", "output", "force", "json"},
     "eval": {"source", "store", "json"},
     "profile": {"sources", "json_file", "html_file", "per_layer"},
-    "bench": {"ctx", "url", "server", "model", "api_key", "json", "plot", "quiet"},
+    "bench": {"ctx", "url", "server", "offline", "model", "api_key", "json", "plot", "quiet"},
     "serve": {"source"},
 }
-# Commands whose options are a config's without being a recipe stage (tests/stages/serve/test_serve_config.py
-# checks that the config they build from their defaults is the config's own).
-COMMANDS = {kind: (case[0], registry.stage(kind).options) for kind, case in CASES.items()}
+
+
+def command_schema(kind: str) -> Options:
+    """The options a command takes: its stage's; `llmopt bench` also takes --offline's own (after them)."""
+    schema = registry.stage(kind).options
+    if kind != "bench":
+        return schema
+    return Options(*schema.values(), *(o for o in OfflineConfig.options().values() if o.name not in schema))
+
+
+# Each command and the options it takes. serve is no recipe stage: tests/stages/serve/test_serve_config.py
+# checks that the config it builds from its defaults is ServeConfig's own.
+COMMANDS = {kind: (case[0], command_schema(kind)) for kind, case in CASES.items()}
 COMMANDS["serve"] = (serve_cmd.run, ServeConfig.options())
 
 
@@ -114,6 +125,15 @@ def test_each_commands_options_are_its_stages(kind):
             assert kind_ is option.kind, name
         assert optional == option.optional, name
         assert flag(name) in _spellings(kind)[name], (name, _spellings(kind)[name])
+
+
+def test_bench_offline_builds_the_offline_configs_defaults(tiny_hf, monkeypatch):
+    monkeypatch.setattr("llmopt.stages.offline.run.run_offline", _capture(OfflineConfig))
+    with pytest.raises(Captured) as caught:
+        main(["--debug", "bench", "--offline", str(tiny_hf[0])])
+    assert caught.value.args[0] == OfflineConfig()
+    for name in SHARED:  # the prompt and sampling options are the online bench's own, defaults and all
+        assert OfflineConfig.options()[name] is BenchStageConfig.options()[name]
 
 
 def _spellings(kind: str) -> dict[str, list[str]]:

@@ -38,6 +38,7 @@ class DatasetConfig:
     output_len: int | None = None  # None: the reply's length, else DEFAULT_OUTPUT_LEN
     seed: int = 0
     tokenizer: str | None = None  # a model source whose tokenizer counts (and makes) tokens
+    shuffle: bool = True  # file records shuffled by `seed`; False: the first num_prompts in file order
 
     def validate(self) -> None:
         kind = self.spec.split(":", 1)[0]
@@ -48,11 +49,12 @@ class DatasetConfig:
 
     def describe(self) -> dict:
         return {"dataset": self.spec, "num_prompts": self.num_prompts, "tokenizer": self.tokenizer,
-                "input_len": self.input_len if self.spec == "random" else None, "output_len": self.output_len}
+                "input_len": self.input_len if self.spec == "random" else None, "output_len": self.output_len,
+                "shuffle": self.shuffle}
 
 
 def load_requests(config: DatasetConfig, tokenizer=None) -> list[BenchRequest]:
-    """`num_prompts` requests, shuffled by `seed` (records repeat if the file holds fewer)."""
+    """`num_prompts` requests, shuffled by `seed` unless `shuffle` is off (records repeat if the file holds fewer)."""
     config.validate()
     rng = random.Random(config.seed)
     kind, _, where = config.spec.partition(":")
@@ -60,7 +62,8 @@ def load_requests(config: DatasetConfig, tokenizer=None) -> list[BenchRequest]:
         return [_random_request(rng, config, tokenizer) for _ in range(config.num_prompts)]
     pairs = _sharegpt_pairs(where or "sharegpt") if kind == "sharegpt" else _jsonl_records(where)
     order = list(range(len(pairs)))
-    rng.shuffle(order)
+    if config.shuffle:
+        rng.shuffle(order)
     picked = [pairs[order[i % len(order)]] for i in range(config.num_prompts)]
     return [_request(prompt, reply, config, tokenizer) for prompt, reply in picked]
 

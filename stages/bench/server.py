@@ -1,8 +1,9 @@
 """--server SOURCE: start a server as a subprocess on a free loopback port, wait for /health, stop it.
 
-The engine is `llmopt serve` (default) or, for baselines, the plain-transformers server the
-repository ships in scripts/baseline_server.py (`--engine hf`). Its output goes to a log file whose
-last lines explain a server that dies or never becomes healthy.
+The engine is `llmopt serve` (default) or, for baselines, the plain-transformers server
+(`--engine hf`: `python -m llmopt.stages.serve.baseline`, started by its module name, so the bench
+still imports nothing of the engine). Its output goes to a log file whose last lines explain a server
+that dies or never becomes healthy.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Callable, Iterator
 
 from ..errors import ConfigError, LlmoptError
 
-BASELINE_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "baseline_server.py"
+BASELINE_MODULE = "llmopt.stages.serve.baseline"
 ENGINES = ("llmopt", "hf")
 TAIL_LINES = 15
 
@@ -42,14 +43,12 @@ class ServerSpec:
     def validate(self) -> None:
         if self.engine not in ENGINES:
             raise ConfigError(f"--engine {self.engine}: use llmopt or hf")
-        if self.engine == "hf" and not BASELINE_SCRIPT.is_file():
-            raise ConfigError(f"--engine hf needs {BASELINE_SCRIPT} (it ships in the source checkout only)")
         if self.startup_timeout_s <= 0:
             raise ConfigError("--server-timeout must be positive")
 
     def command(self, port: int) -> list[str]:
         if self.engine == "hf":
-            head = [sys.executable, str(BASELINE_SCRIPT), self.source]
+            head = [sys.executable, "-m", BASELINE_MODULE, self.source]
         else:
             head = [sys.executable, "-m", "llmopt.cli.main", "serve", self.source]
         return [*head, "--port", str(port), *self.args]

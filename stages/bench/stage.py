@@ -34,7 +34,8 @@ class BenchStageConfig(FromOptions):
                            burstiness=o["burstiness"], max_concurrency=o["max_concurrency"], warmup=o["warmup"],
                            seed=o["seed"], temperature=o["temperature"], ignore_eos=o["ignore_eos"],
                            timeout_s=o["timeout"], slo=parse_slo(o["slo"]))
-        data = DatasetConfig(o["dataset"], o["num_prompts"], o["input_len"], o["output_len"], o["seed"], o["tokenizer"])
+        data = DatasetConfig(o["dataset"], o["num_prompts"], o["input_len"], o["output_len"], o["seed"], o["tokenizer"],
+                             shuffle=not o["disable_shuffle"])
         server = ServerSpec("", o["engine"], tuple(a for s in o["serve_args"] or () for a in shlex.split(s)),
                             startup_timeout_s=o["server_timeout"])
         return cls(load, data, bounds, server)
@@ -59,6 +60,7 @@ OPTIONS = Options(
     Option("num_prompts", int, DEFAULTS.dataset.num_prompts), Option("input_len", int, DEFAULTS.dataset.input_len),
     Option("output_len", int, DEFAULTS.dataset.output_len, optional=True),
     Option("tokenizer", str, DEFAULTS.dataset.tokenizer, optional=True),
+    Option("disable_shuffle", bool, not DEFAULTS.dataset.shuffle),
     Option("request_rate", str, str(DEFAULTS.load.describe()["request_rate"])),
     Option("burstiness", float, DEFAULTS.load.burstiness),
     Option("max_concurrency", int, DEFAULTS.load.max_concurrency, optional=True),

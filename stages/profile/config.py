@@ -7,9 +7,19 @@ from ..errors import ConfigError
 from ..options import FromOptions, Option, Options
 
 DEVICES = ("cpu", "cuda")
+SYNTHETIC_SHAPES = {  # --synthetic: hidden, intermediate, heads, kv heads, head dim, vocab
+    "llama3-8b": (4096, 14336, 32, 8, 128, 128256),
+    "tiny": (256, 512, 8, 2, 32, 4096),
+}
 # --quick: about a minute for two sources on a 2-core CPU (the full sweep takes several).
 QUICK = dict(prompt_lens=(128, 512), batch_sizes=(1, 4, 16), context_lens=(128, 1024), decode_context=256,
              repeats=2, decode_steps=6, profile_steps=3, copy_mib=128)
+# What the other measurements take where an option is not given (the sweep's options that mean the same).
+MODE_PRESETS = {
+    "kernels": dict(batch_sizes=(1, 8, 32), repeats=7),  # one decode step's matmuls at these row counts
+    # the engine on a synthetic model: batches of 512-token prompts, 64 new tokens each, bf16
+    "synthetic": dict(batch_sizes=(1, 32), decode_context=512, decode_steps=64, dtype="bf16"),
+}
 
 
 @dataclass(frozen=True)
@@ -32,13 +42,26 @@ class ProfileConfig(FromOptions):
     plan_context: int = 2048  # planner: tokens each sequence may hold (prompt + output)
     target_tpot_ms: float | None = None  # planner: latency target for the --max-num-seqs advice
     top_ops: int = 12
+    # Instead of the sweep (at most one): the memory soak, the matmul benchmark, or a synthetic model.
+    soak: int | None = None  # requests through one engine, every fifth aborted (soak.py)
+    soak_in_flight: int = 32  # soak: requests running at once
+    max_rss_growth_mib: float = 32.0  # soak: the RSS growth after the warm-up that fails it
+    kernels: bool = False  # one decode step's matmuls per weight scheme on the source's shapes (matmuls.py)
+    synthetic: str | None = None  # a model shape (synthetic.py): the engine on random weights, no files
+    layers: int | None = None  # kernels and synthetic: decoder layers (kernels: the model's; synthetic: 4)
 
     @classmethod
     def from_values(cls, values: dict) -> "ProfileConfig":
-        """The full sweep, or --quick's, with the options that were given (not None) on top."""
+        """The full sweep, or --quick's, or another measurement's preset, with the options that were given
+        (not None) on top."""
         given = {k: parse_int_list(v, f"--{k.replace('_', '-')}") if k in INT_LISTS else v
-                 for k, v in values.items() if k != "quick"}
-        return cls.quick(**given) if values["quick"] else cls().with_options(**given)
+                 for k, v in values.items() if k != "quick" and v is not None}
+        return cls(**{**(QUICK if values["quick"] else {}), **MODE_PRESETS.get(mode_of(values), {}), **given})
+
+    @property
+    def mode(self) -> str:
+        """What this run measures: sweep (the default), soak, kernels or synthetic."""
+        return mode_of({name: getattr(self, name) for name in MODES})
 
     @classmethod
     def quick(cls, **overrides) -> "ProfileConfig":
@@ -70,6 +93,7 @@ class ProfileConfig(FromOptions):
             raise ConfigError(f"--threads must be at least 1 (got {self.threads})")
         if self.target_tpot_ms is not None and not self.target_tpot_ms > 0:
             raise ConfigError(f"--target-tpot-ms must be positive (got {self.target_tpot_ms})")
+        self._validate_mode()
         if self.memory_budget is not None:
             from ..serve.runner import parse_kv_cache_memory
 
@@ -78,6 +102,18 @@ class ProfileConfig(FromOptions):
             except ConfigError:
                 raise ConfigError(f"--memory-budget {self.memory_budget!r}: give bytes (8GiB, 512MB) "
                                   "or a fraction of free memory like 0.9") from None
+
+    def _validate_mode(self) -> None:
+        chosen = [f"--{name}" for name in MODES if getattr(self, name)]
+        if len(chosen) > 1:
+            raise ConfigError(f"{' and '.join(chosen)}: give one of them (each replaces the sweep)")
+        for name in ("soak", "soak_in_flight", "layers"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+        if not self.max_rss_growth_mib > 0:
+            raise ConfigError(f"--max-rss-growth-mib must be positive (got {self.max_rss_growth_mib})")
+        if self.synthetic is not None and self.synthetic not in SYNTHETIC_SHAPES:
+            raise ConfigError(f"--synthetic {self.synthetic}: choose one of {', '.join(SYNTHETIC_SHAPES)}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -89,6 +125,14 @@ class ProfileConfig(FromOptions):
         if unknown:
             raise ConfigError(f"unknown profile option(s): {', '.join(sorted(unknown))}")
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+MODES = ("soak", "kernels", "synthetic")  # each replaces the sweep
+
+
+def mode_of(values) -> str:
+    """The first of MODES that `values` (a mapping of option values) turns on, else the sweep."""
+    return next((name for name in MODES if values.get(name)), "sweep")
 
 
 def parse_int_list(text: str | None, option: str) -> tuple[int, ...] | None:
@@ -114,5 +158,8 @@ OPTIONS = Options(
     Option("device", str, DEFAULTS.device), Option("dtype", str, None, optional=True),
     Option("threads", int, None, optional=True), Option("memory_budget", str, None, optional=True),
     Option("plan_context", int, None, optional=True), Option("target_tpot_ms", float, None, optional=True),
+    Option("soak", int, DEFAULTS.soak, optional=True), Option("soak_in_flight", int, DEFAULTS.soak_in_flight),
+    Option("max_rss_growth_mib", float, DEFAULTS.max_rss_growth_mib), Option("kernels", bool, DEFAULTS.kernels),
+    Option("synthetic", str, DEFAULTS.synthetic, optional=True), Option("layers", int, DEFAULTS.layers, optional=True),
 )
 ProfileConfig.OPTIONS = OPTIONS

@@ -3,9 +3,12 @@ benchmark, the decode roofline's ceiling) and dense matmul throughput (the prefi
 from __future__ import annotations
 
 import platform
+from contextlib import contextmanager
 import time
 
 import torch
+
+HOST = torch.device("cpu")  # where the process's resident set is read, whatever device computes
 
 
 def synchronize(device: torch.device) -> None:
@@ -103,3 +106,15 @@ def peak_memory(device: torch.device) -> int | None:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return _proc_status_bytes("VmHWM")
+
+
+@contextmanager
+def torch_threads(threads: int | None):
+    """Yields the thread count in force: `threads`, or torch's own; the caller's count is restored after."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)

@@ -7,6 +7,7 @@ from pathlib import Path
 from ..artifact import Artifact, ArtifactWriter, check_destination, safetensors_bytes
 from ..eval.before_after import perplexity, reusable_artifact, store_before_after
 from ..model_io import model_info, parse_dtype, save_model
+from ..profile.machine import HOST, peak_memory, reset_peak_memory
 from ..source import load, source_record
 from .config import PruneConfig
 from .stage import PruneHooks, check_plan, prune_model
@@ -21,6 +22,7 @@ def run_prune(source_ref: str, dest: Path, config: PruneConfig, force: bool = Fa
     hooks = hooks or PruneHooks()
     config.validate()
     check_destination(dest, force)
+    reset_peak_memory(HOST)  # the run's peak resident set goes into its metrics
     hooks.status(f"loading {source_ref}")
     loaded = load(source_ref, dtype=parse_dtype(config.dtype))
     check_plan(loaded.model, config)
@@ -35,6 +37,7 @@ def run_prune(source_ref: str, dest: Path, config: PruneConfig, force: bool = Fa
         save_model(loaded.model, loaded.tokenizer, w.tmp)
         info = model_info(loaded.model)
         metrics = {"size_bytes": safetensors_bytes(w.tmp), "prune_seconds": round(seconds, 1),
+                   "peak_rss_bytes": peak_memory(HOST),
                    "num_parameters_before": params_before, "num_parameters": info["num_parameters"], **record}
         if config.needs_calibration:
             metrics["calibration"] = config.calib.describe()

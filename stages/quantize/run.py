@@ -7,6 +7,7 @@ from pathlib import Path
 from ..artifact import Artifact, ArtifactWriter, check_destination, safetensors_bytes
 from ..eval.before_after import perplexity, reusable_artifact, store_before_after
 from ..model_io import model_info, parse_dtype, save_model_files
+from ..profile.machine import HOST, peak_memory, reset_peak_memory
 from ..safetensors_io import ShardWriter
 from ..source import load, source_record
 from .config import QuantizeConfig
@@ -21,6 +22,7 @@ def run_quantize(source_ref: str, dest: Path, config: QuantizeConfig, force: boo
     hooks = hooks or QuantizeHooks()
     config.validate()
     check_destination(dest, force)
+    reset_peak_memory(HOST)  # the run's peak resident set goes into its metrics
     hooks.status(f"loading {source_ref}")
     loaded = load(source_ref, dtype=parse_dtype(config.dtype))
     check_not_quantized(loaded.model)
@@ -44,6 +46,7 @@ def run_quantize(source_ref: str, dest: Path, config: QuantizeConfig, force: boo
         save_model_files(loaded.model, loaded.tokenizer, w.tmp, quantization_config_of(loaded.model, method, embedding))
         art = w.commit("quantize", config.to_dict(), loaded.artifact, source_record(loaded.source, loaded.artifact),
                        model=info, metrics={"size_bytes": safetensors_bytes(w.tmp), "quantize_seconds": round(seconds, 1),
+                                            "peak_rss_bytes": peak_memory(HOST),
                                             "quantization": per_layer_table(method, reports, embedding)})
     store_before_after(art, config.eval_windows, hooks, base, "quantized")
     return art

@@ -22,6 +22,13 @@ def test_sharegpt_without_replies_takes_output_len(tmp_path):
     assert len(load_requests(DatasetConfig(spec, num_prompts=12))) == 12  # records repeat past the end
 
 
+def test_disable_shuffle_keeps_file_order(tmp_path):
+    spec = _sharegpt(tmp_path / "s.json", [{"conversations": [{"from": "human", "value": f"q{i}"}]} for i in range(3)])
+    requests = load_requests(DatasetConfig(spec, num_prompts=5, seed=1, shuffle=False))
+    assert [r.prompt for r in requests] == ["q0", "q1", "q2", "q0", "q1"]
+    assert DatasetConfig(spec, shuffle=False).describe()["shuffle"] is False
+
+
 def test_sharegpt_replies_set_output_len(tmp_path, tiny_hf):
     spec = _sharegpt(tmp_path / "s.json", [{"conversations": [{"from": "human", "value": "the quick brown fox"},
                                                               {"from": "gpt", "value": "x" * 40}]},

@@ -1,9 +1,12 @@
 """schemathesis against the server's own OpenAPI spec: generated requests, valid and invalid,
 never get a 5xx. Bounded here (LLMOPT_FUZZ_EXAMPLES per operation and mode, default 15);
-`make fuzz` runs many more."""
+`make fuzz` sets it (200), which also runs the schemathesis CLI's examples, coverage and fuzzing phases
+against the live server for up to LLMOPT_FUZZ_MAX_TIME seconds (default 300)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import schemathesis
@@ -14,6 +17,8 @@ from schemathesis.checks import not_a_server_error
 from .conftest import serve
 
 EXAMPLES = int(os.environ.get("LLMOPT_FUZZ_EXAMPLES", "15"))
+LONG_RUN = "LLMOPT_FUZZ_EXAMPLES" in os.environ  # make fuzz
+MAX_TIME = int(os.environ.get("LLMOPT_FUZZ_MAX_TIME", "300"))
 
 
 @pytest.fixture(scope="module")
@@ -44,4 +49,14 @@ def test_no_generated_request_gets_a_server_error(fuzz_server, mode):
             case.call_and_validate(base_url=fuzz_server.base_url, checks=[not_a_server_error], timeout=30)
 
         check()
+    assert fuzz_server.state.healthy
+
+
+@pytest.mark.skipif(not LONG_RUN, reason="the schemathesis CLI pass runs under make fuzz (LLMOPT_FUZZ_EXAMPLES set)")
+def test_the_schemathesis_cli_phases_find_no_server_error(fuzz_server):
+    command = [sys.executable, "-m", "schemathesis.cli", "run", fuzz_server.base_url + "/openapi.json",
+               "--checks", "not_a_server_error", "--max-examples", str(EXAMPLES), "--max-time", str(MAX_TIME),
+               "--phases", "examples,coverage,fuzzing", "--workers", "1", "--suppress-health-check", "all"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=MAX_TIME + 120)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert fuzz_server.state.healthy

@@ -1,0 +1,155 @@
+"""`llmopt profile --synthetic SHAPE`: the serve engine on a model of a known shape with random weights,
+built in memory (no files): decode tokens/s per batch size and the share of the copy bandwidth reached.
+
+The shape is Llama-3-8B's (hidden 4096, 32 query / 8 KV heads of 128, intermediate 14336, vocab
+128256, untied lm_head, llama-3 RoPE) with --layers decoder layers (default 4), or `tiny` (a CPU
+check in seconds); a WordLevel tokenizer of the same vocabulary. The real runtime, `ModelRunner`
+(paged KV cache; Triton kernels on CUDA) and `LLMEngine` run it: per batch size (--batch-sizes), that
+many greedy requests of --decode-context random prompt tokens and --decode-steps new tokens, EOS
+ignored. Reported: the median wall time of the steps in which every sequence decodes (the engine's
+whole step), tokens/s = batch / step, and the bytes such a step must read at least (every weight but
+the embedding table, plus each sequence's cached K/V at its median length) over the step time, as a
+share of the copy bandwidth measured in the same run (machine.py, STREAM convention).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..progress import StageHooks
+from .config import SYNTHETIC_SHAPES as SHAPES
+from .config import ProfileConfig
+from .tables import TableData
+
+DEFAULT_LAYERS = 4
+BLOCK_SIZE = 16
+
+
+def model_config(shape: str, layers: int) -> dict:
+    hidden, inter, heads, kv, head_dim, vocab = SHAPES[shape]
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv, "head_dim": head_dim, "vocab_size": vocab, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 8192, "tie_word_embeddings": False, "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192},
+            "bos_token_id": 0, "eos_token_id": 1}
+
+
+def random_state(config: dict, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF-named tensors drawn on the device: N(0, 0.02) matrices, unit norms."""
+    h, i, v, hd = config["hidden_size"], config["intermediate_size"], config["vocab_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def mat(rows: int, cols: int) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=g, device=device, dtype=torch.float32) * 0.02).to(dtype)
+
+    state = {"model.embed_tokens.weight": mat(v, h), "lm_head.weight": mat(v, h),
+             "model.norm.weight": torch.ones(h, device=device, dtype=dtype)}
+    for n in range(config["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        for name, rows, cols in (("self_attn.q_proj", q, h), ("self_attn.k_proj", kv, h), ("self_attn.v_proj", kv, h),
+                                 ("self_attn.o_proj", h, q), ("mlp.gate_proj", i, h), ("mlp.up_proj", i, h),
+                                 ("mlp.down_proj", h, i)):
+            state[p + name + ".weight"] = mat(rows, cols)
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            state[p + name + ".weight"] = torch.ones(h, device=device, dtype=dtype)
+    return state
+
+
+def word_tokenizer(vocab: int):
+    """Words w0..w{vocab-1}, one token each; w1 is EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w1", unk_token="w0")
+
+
+def build(config: dict, profile: ProfileConfig, device: torch.device, dtype: torch.dtype):
+    """(engine, runtime): the serve runtime on random weights, its runner and an LLMEngine."""
+    from ..serve.engine.config import EngineConfig
+    from ..serve.engine.engine import LLMEngine
+    from ..serve.loader import build_runtime
+    from ..serve.runner import ModelRunner
+
+    runtime = build_runtime(config, random_state(config, device, dtype), device, dtype)
+    longest = max(profile.batch_sizes)
+    blocks = longest * -(-(profile.decode_context + profile.decode_steps) // BLOCK_SIZE) + 16
+    runner = ModelRunner(runtime, blocks, BLOCK_SIZE)
+    engine = LLMEngine(runner, word_tokenizer(config["vocab_size"]),
+                       EngineConfig(block_size=BLOCK_SIZE, num_blocks=blocks, max_num_seqs=longest,
+                                    max_num_batched_tokens=max(2048, profile.decode_context),
+                                    enable_prefix_caching=False), eos_token_ids=[])
+    return engine, runtime
+
+
+def run_batch(engine, batch: int, prompt_len: int, tokens: int, vocab: int, seed: int) -> tuple[float, float, int]:
+    """(median decode-step seconds, median context length during those steps, steps timed)."""
+    from ..errors import ConfigError
+    from ..serve.engine.config import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    for r in range(batch):
+        ids = torch.randint(2, vocab, (prompt_len,), generator=g).tolist()
+        engine.add_request(f"b{batch}-{r}", prompt_token_ids=ids,
+                           params=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+    steps, contexts = [], []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        outs = engine.step()
+        seconds = time.perf_counter() - start
+        if len(outs) == batch and all(o.num_output_tokens >= 2 and len(o.token_ids) == 1 for o in outs):
+            steps.append(seconds)  # every sequence decoded one token (no prefill in this step)
+            contexts.append(prompt_len + outs[0].num_output_tokens)
+    if not steps:
+        raise ConfigError(f"batch {batch}: no step in which every sequence decodes (raise --decode-steps)")
+    return statistics.median(steps), statistics.median(contexts), len(steps)
+
+
+def run_synthetic(config: ProfileConfig, hooks: StageHooks | None = None) -> dict:
+    """The engine on the synthetic model, one row per batch size (see the module docstring)."""
+    from ..model_io import parse_dtype
+    from .machine import copy_bandwidth, describe
+
+    hooks = hooks or StageHooks()
+    device, dtype = torch.device(config.device), parse_dtype(config.dtype) or torch.bfloat16
+    layers = config.layers or DEFAULT_LAYERS
+    model = model_config(config.synthetic, layers)
+    start = time.perf_counter()
+    engine, runtime = build(model, config, device, dtype)
+    built = time.perf_counter() - start
+    copy = copy_bandwidth(device, config.copy_mib)
+    weights = sum(t.numel() * t.element_size() for n, t in runtime.state_dict().items() if n != "embed_tokens")
+    kv_per_token = layers * 2 * model["num_key_value_heads"] * model["head_dim"] * dtype.itemsize
+    hooks.status(f"{config.synthetic} x {layers} layers on {device}: built in {built:.1f} s; "
+                 f"{weights / 1e9:.2f} GB of weights read per step")
+    run_batch(engine, 1, 32, 4, model["vocab_size"], seed=99)  # warm-up: kernels compiled, caches touched
+    rows = []
+    for batch in config.batch_sizes:
+        step, ctx, n = run_batch(engine, batch, config.decode_context, config.decode_steps, model["vocab_size"], batch)
+        nbytes = weights + batch * ctx * kv_per_token
+        rows.append({"batch": batch, "step_ms": step * 1e3, "steps": n, "tokens_per_s": batch / step,
+                     "bytes_per_step": nbytes, "gb_per_s": nbytes / step / 1e9,
+                     "share": nbytes / step / copy["bytes_per_s"]})
+        hooks.status(f"batch {batch}: {step * 1e3:.2f} ms per decode step")
+    return {"tool": "llmopt profile --synthetic", "shape": config.synthetic, "layers": layers, "dtype": str(dtype),
+            "machine": {**describe(device), "copy": copy}, "build_seconds": built, "weight_bytes": weights,
+            "rows": rows, "config": config.to_dict()}
+
+
+def synthetic_tables(report: dict) -> list[TableData]:
+    copy = report["machine"]["copy"]["bytes_per_s"] / 1e9
+    t = TableData("synthetic", f"engine decode on synthetic {report['shape']} x {report['layers']} layers, "
+                               f"{report['dtype'].removeprefix('torch.')}, {report['machine']['device']}",
+                  ["batch", "decode step ms (steps)", "tokens/s", "bytes per step", "GB/s", "share of copy bandwidth"])
+    t.rows = [[str(r["batch"]), f"{r['step_ms']:.2f} ({r['steps']})", f"{r['tokens_per_s']:.1f}",
+               f"{r['bytes_per_step'] / 1e9:.2f} GB", f"{r['gb_per_s']:.0f}", f"{r['share']:.0%}"]
+              for r in report["rows"]]
+    t.note = f"copy bandwidth {copy:.0f} GB/s (read + written, best of {report['machine']['copy']['repeats']})"
+    return [t]
