@@ -12,7 +12,7 @@ from llmopt.stages.bench.stage import OPTIONS
 from llmopt.stages.offline.config import OPTIONS as OFFLINE_OPTIONS
 
 from . import bench_view
-from .options import DType, stage_options
+from .options import Backend, DType, stage_options
 from .ui import err, note
 
 D, OD = OPTIONS.defaults, OFFLINE_OPTIONS.defaults
@@ -53,6 +53,8 @@ def run(ctx: typer.Context,
         hf_batch_size: Annotated[int, Opt("--hf-batch-size", help="--offline: transformers' static batch size.")] = OD.hf_batch_size,
         dtype: Annotated[DType, Opt("--dtype", help="--offline: both sides' dtype (auto keeps the checkpoint's).")] = DType(OD.dtype),
         device: Annotated[str, Opt("--device", help="--offline: cpu | cuda")] = OD.device,
+        backend: Annotated[Backend, Opt("--backend", help="--offline: the engine's kernels, as llmopt serve "
+                                        "--backend.")] = Backend(OD.backend),
         threads: Annotated[Optional[int], Opt("--threads", help="--offline: torch threads (default: torch's).")] = OD.threads,
         repeats: Annotated[int, Opt("--repeats", help="--offline: runs per source, median reported.")] = OD.repeats,
         json: Annotated[Optional[Path], Opt("--json", help="Write the report as JSON to this file.")] = None,

@@ -12,7 +12,7 @@ import typer
 from llmopt.stages.profile.config import OPTIONS
 
 from . import profile_view
-from .options import stage_options
+from .options import Backend, BackendOpt, stage_options
 from .ui import note, progress_bar
 
 D = OPTIONS.defaults
@@ -37,6 +37,7 @@ def run(sources: Sources = None,
         repeats: Annotated[Optional[int], _opt("--repeats", "Prefill timings per length.")] = D.repeats,
         device: Annotated[str, _opt("--device", "cpu | cuda")] = D.device,
         dtype: Annotated[Optional[str], _opt("--dtype", "auto | fp32 | bf16 | fp16")] = D.dtype,
+        backend: BackendOpt = Backend(D.backend),
         threads: Annotated[Optional[int], _opt("--threads", "torch threads (default: torch's).")] = D.threads,
         memory_budget: Annotated[Optional[str], _opt("--memory-budget", "Planner: 8GiB, or 0.9 of free.")] = D.memory_budget,
         plan_context: Annotated[Optional[int], _opt("--plan-context", "Planner: tokens per sequence.")] = D.plan_context,

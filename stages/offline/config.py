@@ -9,6 +9,8 @@ from ..bench.config import ENDPOINTS, BenchConfig
 from ..bench.dataset import DatasetConfig
 from ..bench.server import ENGINES, ServerSpec
 from ..bench.stage import OPTIONS as BENCH_OPTIONS
+from llmopt.kernels import BACKENDS
+
 from ..errors import ConfigError
 from ..options import DTYPES, FromOptions, Option, Options, dtype_option
 
@@ -32,6 +34,7 @@ class OfflineConfig(FromOptions):
     hf_batch_size: int = 8  # transformers' static batches (left-padded; a batch waits for its longest sequence)
     dtype: str = "auto"  # both sides; auto keeps the checkpoint's
     device: str = "cpu"
+    backend: str = "auto"  # the engine's kernels, as `llmopt serve --backend` picks them
     threads: int | None = None  # torch threads; None keeps torch's default
     repeats: int = 1  # runs per source, in rounds over the sources; the median is reported
 
@@ -40,7 +43,8 @@ class OfflineConfig(FromOptions):
         data = DatasetConfig(o["dataset"], o["num_prompts"], o["input_len"], o["output_len"], o["seed"],
                              shuffle=not o["disable_shuffle"])
         return cls(data, o["endpoint"], o["engine"], o["max_concurrency"], o["temperature"], o["ignore_eos"],
-                   o["baseline"], o["hf_batch_size"], o["dtype"], o["device"], o["threads"], o["repeats"])
+                   o["baseline"], o["hf_batch_size"], o["dtype"], o["device"], o["backend"], o["threads"],
+                   o["repeats"])
 
     @property
     def batch1(self) -> bool:
@@ -50,7 +54,8 @@ class OfflineConfig(FromOptions):
     def validate(self) -> None:
         self.dataset.validate()
         choices = {"--endpoint": (self.endpoint, tuple(ENDPOINTS)), "--engine": (self.engine, ENGINES),
-                   "--baseline": (self.baseline, BASELINES), "--dtype": (self.dtype, DTYPES)}
+                   "--baseline": (self.baseline, BASELINES), "--dtype": (self.dtype, DTYPES),
+                   "--backend": (self.backend, BACKENDS)}
         for flag, (value, known) in choices.items():
             if value not in known:
                 raise ConfigError(f"{flag} {value}: use one of {', '.join(known)}")
@@ -69,7 +74,8 @@ class OfflineConfig(FromOptions):
             "endpoint": ENDPOINTS[self.endpoint], "engine": self.engine, "max_concurrency": self.max_concurrency,
             "mode": "batch-1 decode" if self.batch1 else "throughput", "temperature": self.temperature,
             "ignore_eos": self.ignore_eos or self.batch1, "baseline": self.baseline,
-            "hf_batch_size": self.hf_batch_size, "dtype": self.dtype, "device": self.device, "repeats": self.repeats}
+            "hf_batch_size": self.hf_batch_size, "dtype": self.dtype, "device": self.device, "backend": self.backend,
+            "repeats": self.repeats}
 
 
 DEFAULTS = OfflineConfig()
@@ -77,6 +83,7 @@ OPTIONS = Options(
     *(BENCH_OPTIONS[name] for name in SHARED),
     Option("baseline", str, DEFAULTS.baseline, choices=BASELINES), Option("hf_batch_size", int, DEFAULTS.hf_batch_size),
     dtype_option(DEFAULTS.dtype), Option("device", str, DEFAULTS.device),
+    Option("backend", str, DEFAULTS.backend, choices=BACKENDS),
     Option("threads", int, DEFAULTS.threads, optional=True), Option("repeats", int, DEFAULTS.repeats),
 )
 OfflineConfig.OPTIONS = OPTIONS

@@ -30,7 +30,7 @@ def build(source: str, config: OfflineConfig, max_num_seqs: int):
     from ..serve.engine.config import EngineConfig
 
     return build_engine(source, EngineConfig(max_num_seqs=max_num_seqs), device=config.device,
-                        dtype=parse_dtype(config.dtype))
+                        dtype=parse_dtype(config.dtype), backend=config.backend)
 
 
 def release(engine) -> None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from llmopt.kernels import BACKENDS
+
 from ..errors import ConfigError
 from ..options import FromOptions, Option, Options
 
@@ -37,6 +39,7 @@ class ProfileConfig(FromOptions):
     copy_mib: int = 256  # copy-benchmark buffer: far larger than the last-level cache
     device: str = "cpu"
     dtype: str | None = None  # None keeps the checkpoint's dtype; fp32 | bf16 | fp16
+    backend: str = "auto"  # the kernels, as `llmopt serve --backend` picks them
     threads: int | None = None  # torch threads; None keeps torch's default
     memory_budget: str | None = None  # planner: bytes ("8GiB") or a fraction of free memory; None: 0.9
     plan_context: int = 2048  # planner: tokens each sequence may hold (prompt + output)
@@ -89,6 +92,8 @@ class ProfileConfig(FromOptions):
             raise ConfigError(f"--device must be cpu or cuda (got {self.device})")
         if self.dtype not in (None, "auto", "fp32", "bf16", "fp16"):
             raise ConfigError(f"--dtype must be auto, fp32, bf16 or fp16 (got {self.dtype})")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"--backend {self.backend}: choose one of {', '.join(BACKENDS)}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be at least 1 (got {self.threads})")
         if self.target_tpot_ms is not None and not self.target_tpot_ms > 0:
@@ -156,6 +161,7 @@ OPTIONS = Options(
     Option("quick", bool, False), *(Option(name, str, None, optional=True) for name in INT_LISTS),
     *(Option(name, int, None, optional=True) for name in ("decode_context", "decode_steps", "repeats")),
     Option("device", str, DEFAULTS.device), Option("dtype", str, None, optional=True),
+    Option("backend", str, DEFAULTS.backend, choices=BACKENDS),
     Option("threads", int, None, optional=True), Option("memory_budget", str, None, optional=True),
     Option("plan_context", int, None, optional=True), Option("target_tpot_ms", float, None, optional=True),
     Option("soak", int, DEFAULTS.soak, optional=True), Option("soak_in_flight", int, DEFAULTS.soak_in_flight),

@@ -104,7 +104,7 @@ def load_source(ref: str, config: ProfileConfig, device: torch.device):
     from ..model_io import parse_dtype
 
     dtype = None if config.dtype in (None, "auto") else parse_dtype(config.dtype)
-    runtime = build_runtime(model_config, load_dir(directory, files), device, dtype)
+    runtime = build_runtime(model_config, load_dir(directory, files), device, dtype, config.backend)
     manifest = Artifact.open(directory, verify=False).manifest if is_artifact(directory) else {}
     size = sum(os.path.getsize(directory / f) for f in files)
     return runtime, {"path": str(directory), "size_bytes": size, "stage": manifest.get("stage"),

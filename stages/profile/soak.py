@@ -98,7 +98,7 @@ def run_soak(source: str, config: ProfileConfig, hooks: StageHooks | None = None
 
     hooks = hooks or StageHooks()
     engine = build_engine(source, EngineConfig(max_num_seqs=config.soak_in_flight), device=config.device,
-                          dtype=parse_dtype(config.dtype))
+                          dtype=parse_dtype(config.dtype), backend=config.backend)
     texts = [r.prompt for r in load_requests(DatasetConfig("sharegpt", PROMPT_RECORDS, shuffle=False))]
     pool = [ids for ids in map(engine.tokenizer.encode, texts) if len(ids) >= PROMPT_TOKENS[0]]
     soak = Soak(engine, pool, random.Random(0), config.soak_in_flight)

@@ -78,7 +78,7 @@ def build(config: dict, profile: ProfileConfig, device: torch.device, dtype: tor
     from ..serve.loader import build_runtime
     from ..serve.runner import ModelRunner
 
-    runtime = build_runtime(config, random_state(config, device, dtype), device, dtype)
+    runtime = build_runtime(config, random_state(config, device, dtype), device, dtype, profile.backend)
     longest = max(profile.batch_sizes)
     blocks = longest * -(-(profile.decode_context + profile.decode_steps) // BLOCK_SIZE) + 16
     runner = ModelRunner(runtime, blocks, BLOCK_SIZE)

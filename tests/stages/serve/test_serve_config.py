@@ -116,3 +116,19 @@ def test_from_options_maps_cli_names_and_rejects_unknown_ones():
 def test_from_options_validates_on_construction(options, message):
     with pytest.raises(ConfigError, match=message):
         ServeConfig.from_options(options)
+
+
+def test_backend_reaches_the_engine(captured, tiny_hf):
+    assert main(["serve", str(tiny_hf[0]), "--backend", "reference"]) == 0
+    assert captured["backend"] == "reference"
+    assert main(["generate", "some-model", "--prompt", "hi", "--backend", "cpu-torch"]) == 1
+    assert captured["backend"] == "cpu-torch"
+
+
+def test_a_backend_that_cannot_run_here_is_one_line_and_exit_2(tiny_hf, capsys):
+    # cpu-native takes fp32 and bf16 only (and needs its native library): the choice fails when the
+    # runtime is built, with the reason on one line
+    code = main(["generate", str(tiny_hf[0]), "--prompt", "hi", "--dtype", "fp16", "--backend", "cpu-native"])
+    err = capsys.readouterr().err
+    assert code == 2 and "error: cpu-native: " in " ".join(err.split()), err
+    assert "Traceback" not in err
