@@ -1,7 +1,7 @@
 """CPU fast paths for the quantized linears: convert the compressed-tensors layout once at load
 time into the layout of a packed torch CPU kernel, then call that kernel per forward.
 
-Measured here (2 vCPU AVX-512, see scripts/bench_kernels.py): at batch 1 the decode step is
+Measured here (2 vCPU AVX-512, see `llmopt profile --kernels`): at batch 1 the decode step is
 memory-bound, so the winner is whichever kernel streams the fewest weight bytes without
 becoming compute-bound on unpacking:
 
