@@ -51,3 +51,11 @@ def write_hf_dir(path: Path, seed: int = 0, tie: bool = True, layers: int = 2, h
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return model, tok
+
+
+def write_chat_model_dir(path: Path, chat_template: str):
+    """`write_hf_dir` with a chat template on the tokenizer (for chat endpoints and --chat prompts)."""
+    _, tok = write_hf_dir(path)
+    tok.chat_template = chat_template
+    tok.save_pretrained(path)
+    return path

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from llmopt.cli.main import main
-from tests.helpers import write_hf_dir
+from tests.helpers import write_chat_model_dir
 
 PROMPTS = ["the quick brown fox", "a language model", "pack the weights", "twelve small layers", "the lazy dog"]
 ENGINE = ["--kv-cache-memory", "4MiB", "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--max-tokens", "8"]
@@ -15,11 +15,7 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endf
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-chat")
-    _, tok = write_hf_dir(path)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(path)
-    return path
+    return write_chat_model_dir(tmp_path_factory.mktemp("tiny-chat"), TEMPLATE)
 
 
 def write_jsonl(path, records) -> str:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from tests.helpers import write_hf_dir
+from tests.helpers import write_chat_model_dir
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -27,11 +27,7 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     """A tiny random Llama whose tokenizer has a chat template."""
-    path = tmp_path_factory.mktemp("tiny-chat")
-    _, tok = write_hf_dir(path)
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(path)
-    return path
+    return write_chat_model_dir(tmp_path_factory.mktemp("tiny-chat"), CHAT_TEMPLATE)
 
 
 def make_engine(model_dir, step_delay: float = 0.0, **overrides):
