@@ -39,6 +39,8 @@ def run(source: Source,
         max_model_len: Annotated[Optional[int], Opt("--max-model-len", min=1)] = E.max_model_len,
         max_batch_size: Annotated[Optional[int], Opt("--max-batch-size", min=1)] = E.max_batch_size,
         max_wait_ms: Annotated[float, Opt("--max-wait-ms", min=0.0)] = E.max_wait_ms,
+        enforce_eager: Annotated[bool, Opt("--enforce-eager", help="No CUDA graphs: decode steps launch "
+                                            "their kernels one by one (CUDA, triton backend).")] = E.enforce_eager,
         device: Annotated[str, Opt("--device", help="cpu | cuda")] = DEFAULTS.device,
         dtype: DTypeOpt = DType(DEFAULTS.dtype), backend: BackendOpt = Backend(DEFAULTS.backend),
         nnodes: NNodes = T.nnodes, node_rank: NodeRank = T.node_rank, master_addr: MasterAddr = T.master_addr,

@@ -1,5 +1,6 @@
 """Build an LLMEngine for a model source: load the runtime on its backend, size the KV cache, wire the
-tokenizer. The composition root of serving: the engine package itself knows no runtime.
+tokenizer, capture the decode steps in CUDA graphs where they apply (CUDA, triton backend, no
+--enforce-eager). The composition root of serving: the engine package itself knows no runtime.
 A sharded artifact (`llmopt shard`) starts its tensor-parallel ranks (serve/tp) and runs rank 0 here."""
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None
                  tp_options=None) -> LLMEngine:
     """An engine serving `ref` (alias, GGUF, HF directory or artifact) on `device`, its kernels from `backend`
     ("auto", "cpu-native", "cpu-torch", "triton", "reference"; see `llmopt.kernels.select_backend`)."""
+    from .cuda_graphs import graph_batch_sizes, graphs_apply
     from .loader import load_runtime, sharded_artifact
     from .runner import ModelRunner
 
@@ -24,6 +26,8 @@ def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None
         return _build_tp_engine(sharded, config, device, dtype, backend, tp_options)
     runtime, tokenizer, model_config = load_runtime(ref, device, dtype, backend)
     runner = ModelRunner(runtime, _num_blocks(config, runtime.spec, runtime), config.block_size)
+    if not config.enforce_eager and graphs_apply(runtime):
+        runner.capture_decode_graphs(graph_batch_sizes(config.seqs_per_step))
     return LLMEngine(runner, tokenizer, config, eos_token_ids=eos_token_ids(model_config, tokenizer))
 
 

@@ -70,7 +70,7 @@ class ServeConfig(FromOptions):
 
 
 ENGINE_OPTIONS = ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                  "max_batch_size", "max_wait_ms")
+                  "max_batch_size", "max_wait_ms", "enforce_eager")
 SERVER_OPTIONS = ("host", "port", "api_key", "metrics_public", "max_queued_requests", "max_queued_tokens",
                   "max_body_bytes", "log_json")
 DEFAULTS = ServeConfig()  # what every option is when not given: the command line reads its defaults here
@@ -86,6 +86,7 @@ OPTIONS = Options(  # in `llmopt serve`'s order
     Option("max_num_seqs", int, _E.max_num_seqs), Option("max_num_batched_tokens", int, _E.max_num_batched_tokens),
     Option("max_model_len", int, _E.max_model_len, optional=True),
     Option("max_batch_size", int, _E.max_batch_size, optional=True), Option("max_wait_ms", float, _E.max_wait_ms),
+    Option("enforce_eager", bool, _E.enforce_eager),
     Option("device", str, DEFAULTS.device), dtype_option(DEFAULTS.dtype),
     Option("backend", str, DEFAULTS.backend, choices=BACKENDS),
     Option("nnodes", int, _T.nnodes), Option("node_rank", int, _T.node_rank), Option("master_addr", str, _T.master_addr),

@@ -8,12 +8,16 @@ Everything device-specific comes from the backend the runtime was loaded with (`
 each step's attention object, the fused decode step (built once, here) and the matmul prebuild.
 Its size comes from `--kv-cache-memory`: a byte count ("4GiB", "512MB", 1e9) or a fraction of the
 memory free once the weights are loaded ("0.5"; CPU: MemAvailable, CUDA: cudaMemGetInfo).
+On CUDA the decode steps replay CUDA graphs once `capture_decode_graphs` has captured them (see
+`cuda_graphs.py`); every other step, and every step under `--enforce-eager`, runs eagerly.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
+import time
 
 import torch
 
@@ -21,7 +25,10 @@ from llmopt.kernels import StepMetadata
 
 from ..errors import ConfigError
 from .batch import StepInput
+from .cuda_graphs import DecodeGraphs, GraphFactory
 from .model import ModelSpec, Runtime
+
+log = logging.getLogger("llmopt.serve")
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
@@ -104,6 +111,7 @@ class ModelRunner:
         self.k_caches, self.v_caches = [c[:, :, 0] for c in self.kv_caches], [c[:, :, 1] for c in self.kv_caches]
         self.scale = spec.head_dim ** -0.5
         self.fused_decode = self.backend.fused_decode(runtime.layers)  # None where the backend has none
+        self.graphs: DecodeGraphs | None = None  # the captured decode steps, once `capture_decode_graphs` ran
 
     @torch.inference_mode()
     def prebuild_matmuls(self, max_tokens: int, max_seqs: int) -> int:
@@ -113,6 +121,26 @@ class ModelRunner:
         if not self.prebuild:
             return 0
         return self.backend.prebuild(self.runtime, max_tokens, max_seqs)
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, sizes: list[int], factory: GraphFactory | None = None) -> DecodeGraphs:
+        """Capture the decode forward for each batch size in `sizes` (see `cuda_graphs.graph_batch_sizes`);
+        from then on `execute` replays them for the decode steps they fit. factory: None captures CUDA
+        graphs (`cuda_graphs.CudaGraphCapture`); tests pass `cuda_graphs.EagerCapture`."""
+        if self.fused_decode is not None:
+            raise ConfigError(f"the {self.backend.name} backend's fused decode step cannot be captured in graphs")
+        cuda = self.kv_cache.device.type == "cuda"
+        free = free_memory_bytes(self.kv_cache.device) if cuda else 0
+        start = time.perf_counter()
+        graphs = DecodeGraphs(self, sizes, factory)
+        graphs.capture()
+        if cuda:
+            torch.cuda.synchronize(self.kv_cache.device)
+        used = f", {(free - free_memory_bytes(self.kv_cache.device)) / 2**20:.0f} MiB" if cuda else ""
+        log.info("captured %d decode graphs (batch sizes %s) in %.1f s%s", len(graphs.sizes),
+                 ", ".join(map(str, graphs.sizes)), time.perf_counter() - start, used)
+        self.graphs = graphs
+        return graphs
 
     @classmethod
     def with_memory(cls, runtime: Runtime, kv_cache_memory, block_size: int = 16, kv_dtype=None) -> "ModelRunner":
@@ -134,8 +162,13 @@ class ModelRunner:
     def execute(self, step: StepInput, fused: bool = True) -> torch.Tensor:
         """fp32 logits [R, vocab] for the rows `step.logits_indices` of the flat batch.
 
-        fused: let the backend's fused decode step take the steps it can (False: layer by layer, the
-        same kernels in the same order one call each, bit-identical; what `llmopt profile` times)."""
+        fused: let the backend's fused decode step or the captured decode graphs take the steps they can
+        (False: layer by layer, eagerly: the same kernels in the same order one call each, bit-identical
+        to the fused step; what `llmopt profile` times)."""
+        bucket = self.graphs.bucket(step) if fused and self.graphs is not None else None
+        if bucket is not None:
+            hidden, residual, rows = self.graphs.run(step, bucket)
+            return self.runtime.compute_logits(hidden, residual, rows)
         step = self._on_device(step)
         meta = StepMetadata(step.positions, step.cu_seqlens_q, step.context_lens, step.block_tables,
                             step.slot_mapping, step.max_query_len)

@@ -30,6 +30,7 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output tokens; None: the model's context length
     max_batch_size: int | None = None  # the seed's dynamic-batching cap (a further limit on max_num_seqs)
     max_wait_ms: float = 0.0  # an idle engine waits up to this long for a short queue to fill a batch
+    enforce_eager: bool = False  # no CUDA graphs: every decode step launches its kernels one by one
     enable_prefix_caching: bool = True
     seed: int = 0  # the engine's generator for requests without their own seed
 
