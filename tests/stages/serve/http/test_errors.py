@@ -51,9 +51,9 @@ def http(server):
     ("/v1/chat/completions", {"max_tokens": 2}, "messages"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "messages.0.content"),
+     "messages[0].content[0].type"),
     ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", CHAT | {"tools": [{"type": "function"}]}, "tools"),
 ])
