@@ -11,7 +11,7 @@ def completion_prompts(prompt, tokenizer) -> list[list[int]]:
         return [encode(tokenizer, prompt, "prompt")]
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
-    return [encode(tokenizer, p, f"prompt.{i}") if isinstance(p, str) else list(p) for i, p in enumerate(prompt)]
+    return [encode(tokenizer, p, f"prompt[{i}]") if isinstance(p, str) else list(p) for i, p in enumerate(prompt)]
 
 
 def chat_prompt(messages: list[dict[str, str]], tokenizer) -> list[int]:
@@ -20,7 +20,7 @@ def chat_prompt(messages: list[dict[str, str]], tokenizer) -> list[int]:
         raise bad_request("this model's tokenizer has no chat template, so /v1/chat/completions cannot format the "
                           "messages; use /v1/completions with a prompt instead", "messages", "no_chat_template")
     for i, message in enumerate(messages):
-        _check_text(message["content"], f"messages.{i}.content")
+        _check_text(message["content"], f"messages[{i}].content")
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # jinja raises for conversations a template refuses (roles out of order, ...)

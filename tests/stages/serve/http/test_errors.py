@@ -69,6 +69,15 @@ def test_malformed_bodies_are_400(http, raw):
     error_of(http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}), 400)
 
 
+@pytest.mark.parametrize("route, raw, param", [
+    ("/v1/completions", b'{"prompt": ["ok", "\\udfff"]}', "prompt[1]"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+])
+def test_a_lone_surrogate_names_its_json_path(http, route, raw, param):
+    err = error_of(http.post(route, content=raw, headers={"content-type": "application/json"}), 400)
+    assert err["param"] == param and "Unicode" in err["message"]
+
+
 def test_prompt_plus_max_tokens_over_the_model_length_names_both_numbers(http):
     err = error_of(http.post("/v1/completions", json={"prompt": [5] * 100, "max_tokens": 40}), 400)
     assert "100" in err["message"] and "40" in err["message"] and "128" in err["message"]
