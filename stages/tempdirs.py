@@ -197,12 +197,17 @@ def disk_full_errno(exc: BaseException | None) -> int | None:
 
 
 def disk_full_message(dest: Path, where: Path, code: int, written: int, expected: int | None) -> str:
-    """The one line for a write that ran out of space after `written` bytes (what was written is gone)."""
+    """The one line for a write that ran out of space (or quota) after `written` bytes; what was written is gone."""
+    weights = f" (the weights alone are about {human_size(expected)})" if expected else ""
     free = free_bytes(where)
-    need = f"about {human_size(expected)}" if expected and expected > written else f"more than {human_size(written)}"
-    have = f"{human_size(free)} free" if free is not None else "free space unknown"
-    return (f"cannot write {dest}: {os.strerror(code).lower()} after {human_size(written)}; it needs {need}, {have} "
-            f"on {mount_point(where)}; nothing was kept (free some space or choose another -o)")
+    if code == errno.EDQUOT:
+        room = f"it needs more than your quota leaves on {mount_point(where)}{weights}"
+    elif free is None:
+        room = f"it needs more than is free on {mount_point(where)}{weights}"
+    else:
+        room = f"it needs more than the {human_size(free)} free on {mount_point(where)}{weights}"
+    return (f"cannot write {dest}: {os.strerror(code).lower()} after {human_size(written)}; {room}; "
+            "nothing was kept (free some space or choose another -o)")
 
 
 # ---- file modes ------------------------------------------------------------------------------------
