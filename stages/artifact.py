@@ -4,6 +4,11 @@ Layout: HF `config.json`, tokenizer and generation config; safetensors weights; 
 format version, the stage and its config, parent (path + content hash), lineage back to the source,
 sha256 and size of every file, model facts and metrics. The content hash covers every file but the
 manifest, so storing a new metric (an eval) does not change an artifact's identity.
+
+Every file name read from a manifest or a safetensors index goes through `member_path`, which refuses a
+name that leaves the directory (absolute, `..`, or a symlink pointing out), so a crafted artifact cannot
+make llmopt read another file of the machine. Writes go through `ArtifactWriter` (temporary sibling with
+an owner record, free-space check, umask modes; see tempdirs.py).
 """
 from __future__ import annotations
 
@@ -14,14 +19,16 @@ import os
 import shutil
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from .errors import ArtifactError
+from .tempdirs import (OWNER, TMP_PREFIX, apply_umask, check_space, claim, disk_full_errno, disk_full_message,
+                       fsync_tree, sweep_leftovers, tree_bytes)
 
 MANIFEST = "llmopt.json"
 FORMAT = "llmopt-artifact"
 FORMAT_VERSION = 1
-TMP_PREFIX = ".llmopt-tmp-"
+SHARD_BYTES = 2 << 30  # weights go to safetensors files of up to this many bytes each (one tensor may pass it)
 _REQUIRED = ("format", "format_version", "stage", "config", "files", "content_hash", "lineage")
 
 
@@ -60,6 +67,28 @@ def is_artifact(path: Path) -> bool:
     return Path(path).is_dir() and (Path(path) / MANIFEST).is_file()
 
 
+def member_path(root: Path, name, listed_in: str) -> Path:
+    """`root / name` for a file name read from a manifest or index (`listed_in` says which entry); ArtifactError
+    when it is not a relative path that stays inside `root` once symlinks are followed.
+
+    A Hugging Face hub snapshot (`.../snapshots/REV/`) links its files to `../../blobs/`: those stay allowed.
+    """
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise ArtifactError(f"{listed_in}: entry {name!r} is not a file name")
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or os.path.isabs(name):
+        raise ArtifactError(f"{listed_in}: entry {name!r} is an absolute path; files must lie inside {root}")
+    if ".." in pure.parts:
+        raise ArtifactError(f"{listed_in}: entry {name!r} climbs out with '..'; files must lie inside {root}")
+    path = Path(root) / name
+    real, base = path.resolve(), Path(root).resolve()
+    allowed = [base] + ([base.parent.parent / "blobs"] if base.parent.name == "snapshots" else [])
+    if not any(real == a or a in real.parents for a in allowed):
+        raise ArtifactError(f"{listed_in}: entry {name!r} is a symlink to {real}, outside {root}; "
+                            "refusing to read it")
+    return path
+
+
 @dataclass
 class Artifact:
     """An artifact on disk with its parsed manifest."""
@@ -73,6 +102,8 @@ class Artifact:
         if not path.is_dir():
             raise ArtifactError(f"{path}: no such artifact directory")
         art = cls(path, _read_manifest(path / MANIFEST))
+        for name in art.manifest["files"]:  # even unverified: no entry may point outside the directory
+            member_path(path, name, f"{path / MANIFEST} files")
         if verify:
             art.verify()
         return art
@@ -139,6 +170,8 @@ def _read_manifest(path: Path) -> dict:
     missing = [k for k in _REQUIRED if k not in manifest]
     if missing:
         raise ArtifactError(f"{path}: manifest lacks {', '.join(missing)}")
+    if not isinstance(manifest["files"], dict) or not all(isinstance(e, dict) for e in manifest["files"].values()):
+        raise ArtifactError(f"{path}: manifest 'files' is not a mapping of file name to sha256 and size")
     if manifest["format_version"] > FORMAT_VERSION:
         raise ArtifactError(f"{path}: format version {manifest['format_version']} is newer than this llmopt "
                             f"understands ({FORMAT_VERSION}); upgrade llmopt")
@@ -147,19 +180,28 @@ def _read_manifest(path: Path) -> dict:
 
 def _write_json_atomic(path: Path, data: dict) -> None:
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    text = json.dumps(data, indent=2) + "\n"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        code = disk_full_errno(e)
+        if code is not None:
+            raise ArtifactError(disk_full_message(path, path.parent, code, 0, len(text.encode()))) from None
+        raise
 
 
 class ArtifactWriter:
     """Write an artifact into a temporary sibling; `commit` renames it into place.
 
-    Leaving the block without a commit (an error, Ctrl-C) removes the temporary directory, so an
-    interrupted stage never leaves a partial artifact at the destination.
+    Entering removes the siblings an earlier, killed run left (their owner is gone; one logged line each)
+    and claims the new one. Leaving the block without a commit (an error, Ctrl-C) removes the temporary
+    directory, so an interrupted stage never leaves a partial artifact at the destination; a full disk
+    or quota becomes an ArtifactError naming the output, the space needed and the space free.
     """
 
     def __init__(self, dest: str | Path, force: bool = False):
@@ -167,23 +209,41 @@ class ArtifactWriter:
         self.force = force
         self.tmp = self.dest.parent / f"{TMP_PREFIX}{self.dest.name}-{uuid.uuid4().hex[:8]}"
         self.committed: Artifact | None = None
+        self.expected: int | None = None  # bytes the stage said it will write (`check_space`)
 
     def __enter__(self) -> "ArtifactWriter":
         check_destination(self.dest, self.force)
         self.dest.parent.mkdir(parents=True, exist_ok=True)
+        sweep_leftovers(self.dest.parent)
         self.tmp.mkdir()
+        try:
+            claim(self.tmp)
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
         return self
 
+    def check_space(self, nbytes: int) -> None:
+        """Say how many bytes the artifact will take: ArtifactError now if the filesystem has less free."""
+        self.expected = int(nbytes)
+        check_space(self.dest, self.tmp, self.expected)
+
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self.committed is None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.committed is not None:
+            return
+        written = tree_bytes(self.tmp)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        code = disk_full_errno(exc)
+        if code is not None:
+            raise ArtifactError(disk_full_message(self.dest, self.dest.parent, code, written, self.expected)) \
+                from None
 
     def commit(self, stage: str, config: dict, parent: Artifact | None, source: dict,
                model: dict | None = None, metrics: dict | None = None) -> Artifact:
-        from .safetensors_io import fsync_tree
-
+        apply_umask(self.tmp)
+        skip = (self.tmp / MANIFEST, self.tmp / OWNER)
         files = {p.relative_to(self.tmp).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-                 for p in sorted(self.tmp.rglob("*")) if p.is_file() and p != self.tmp / MANIFEST}
+                 for p in sorted(self.tmp.rglob("*")) if p.is_file() and p not in skip}
         chash = content_hash(files)
         entry = {"stage": stage, "path": str(self.dest.resolve()), "content_hash": chash,
                  "config": config, "created_at": now_iso()}
@@ -202,11 +262,16 @@ class ArtifactWriter:
         return self.committed
 
     def _swap_into_place(self) -> None:
+        """Rename the finished directory into place. A replaced artifact first moves into a claimed sibling,
+        so a crash between the two renames leaves only directories the next write knows to remove."""
         old = None
         if self.dest.exists():
             old = self.dest.parent / f"{TMP_PREFIX}{self.dest.name}-old-{uuid.uuid4().hex[:8]}"
-            os.replace(self.dest, old)
+            old.mkdir()
+            claim(old)
+            os.replace(self.dest, old / "replaced")
         os.replace(self.tmp, self.dest)
+        (self.dest / OWNER).unlink(missing_ok=True)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import torch
 
-from .artifact import Artifact
+from .artifact import SHARD_BYTES, Artifact
 from .model_io import load_model_dir, load_tokenizer
-from .source import SHARD_BYTES, Source, as_artifact, write_import
+from .source import Source, as_artifact, write_import
 
 
 def import_source(source: Source, dest: Path, dtype: torch.dtype | None = None, force: bool = False,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .artifact import member_path
 from .safetensors_io import tensor_infos, weight_files
 
 # compressed-tensors bookkeeping tensors: not parameters of the model
@@ -18,7 +19,7 @@ def summarize(path: Path, manifest: dict | None) -> dict:
     by_dtype: dict[str, dict] = {}
     params = 0
     for name in files:
-        for tname, (dtype, shape, nbytes) in tensor_infos(path / name).items():
+        for tname, (dtype, shape, nbytes) in tensor_infos(member_path(path, name, f"{path}: weight file")).items():
             numel = 1
             for d in shape:
                 numel *= d

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .artifact import SHARD_BYTES
 from .errors import ArtifactError, SourceError
 from .safetensors_io import load_dir, save_state_dict, weight_files
 
@@ -46,7 +47,7 @@ def _quant_method(qc) -> str:
     return str(getattr(method, "value", method))
 
 
-def save_model(model, tokenizer, directory: Path, max_shard_bytes: int = 2 << 30) -> list[str]:
+def save_model(model, tokenizer, directory: Path, max_shard_bytes: int = SHARD_BYTES) -> list[str]:
     """Write config, generation config, tokenizer and safetensors weights into `directory`."""
     save_model_files(model, tokenizer, directory)
     return save_state_dict(model.state_dict(), directory, max_shard_bytes)

@@ -1,7 +1,9 @@
 """Safetensors reading by mmap (no copy) and sharded writing.
 
 Reading maps the file copy-on-write and views tensors straight into the mapping, so loading a
-model costs page-cache reads only: the weights are never held twice in memory.
+model costs page-cache reads only: the weights are never held twice in memory. Every file name
+(given, or read from an index's weight_map) is checked to stay inside its directory (`member_path`).
+Writing splits the weights into files of up to `SHARD_BYTES` (2 GiB) each.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .artifact import SHARD_BYTES, member_path
 from .errors import ArtifactError
 
 _DTYPES = {
@@ -77,22 +80,34 @@ def _view(raw: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tens
 
 
 def load_dir(directory: Path, files: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors of `files` (names relative to `directory`, each refused if it leads outside it)."""
     state = {}
     for name in files:
-        state.update(load_mmap(directory / name))
+        state.update(load_mmap(member_path(directory, name, f"{directory}: weight file")))
     return state
 
 
 def weight_files(directory: Path) -> list[str]:
-    """The safetensors files of a model directory, via the index when there is one."""
+    """The safetensors files of a model directory, via the index when there is one; an index entry that
+    leads outside the directory is refused, naming the entry."""
+    directory = Path(directory)
     index = directory / INDEX_NAME
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ArtifactError(f"{index}: malformed index ({e})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ArtifactError(f"{index}: malformed index ({e.__class__.__name__}: {e})") from None
+        if not isinstance(weight_map, dict):
+            raise ArtifactError(f"{index}: malformed index (weight_map is not a mapping)")
+        for tensor, name in sorted(weight_map.items()):
+            member_path(directory, name, f"{index} weight_map[{tensor!r}]")
         return sorted(set(weight_map.values()))
     return sorted(p.name for p in directory.glob("*.safetensors"))
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    """Bytes `state` takes as safetensors data (tensors that alias another counted once)."""
+    return sum(t.numel() * t.element_size() for t in _dedup_shared(state).values())
 
 
 def _dedup_shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -121,7 +136,7 @@ def _plan_shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[st
     return shards
 
 
-def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int = 2 << 30) -> list[str]:
+def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int = SHARD_BYTES) -> list[str]:
     """Write `state` as model.safetensors, or numbered shards plus an index above the limit."""
     from safetensors.torch import save_file
 
@@ -142,47 +157,50 @@ def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_b
     return names
 
 
-def fsync_tree(directory: Path) -> None:
-    for p in directory.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class ShardWriter:
-    """Writes a state dict piece by piece (a quantized layer at a time), so a stage never holds the
-    whole output model in memory. `close` names the files model-0000i-of-0000n and writes the index
-    (or a single model.safetensors)."""
+    """Writes a state dict piece by piece (a quantized layer at a time) into files of up to `max_bytes`.
 
-    def __init__(self, directory: Path):
+    Pieces wait in memory until the next one would pass the limit, then go out as one file, so the
+    output holds as few files as `save_state_dict` writes (one below 2 GiB) while a stage never holds
+    more than one file's worth of its output. `close` writes the rest and names the files
+    model-0000i-of-0000n plus the index (or a single model.safetensors)."""
+
+    def __init__(self, directory: Path, max_bytes: int = SHARD_BYTES):
         self.directory = Path(directory)
+        self.max_bytes = max_bytes
         self.parts: list[str] = []
         self.weight_map: dict[str, str] = {}
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
         self.total = 0
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
-
         if not tensors:
             return
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in _dedup_shared(tensors).items()}
-        clash = set(tensors) & set(self.weight_map)
+        clash = set(tensors) & (set(self.weight_map) | set(self.pending))
         if clash:
             raise ValueError(f"tensor written twice: {sorted(clash)[0]}")
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self._flush()
+        self.pending.update(tensors)
+        self.pending_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        tensors = self.pending  # each piece was deduplicated as it came in
         name = f"part-{len(self.parts):05d}.safetensors"
         save_file(tensors, str(self.directory / name), metadata={"format": "pt"})
         self.parts.append(name)
         self.weight_map.update({k: name for k in tensors})
         self.total += sum(t.numel() * t.element_size() for t in tensors.values())
+        self.pending, self.pending_bytes = {}, 0
 
     def close(self) -> list[str]:
-        import os
-
+        if self.pending:
+            self._flush()
         n = len(self.parts)
         final = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         renames = dict(zip(self.parts, final))

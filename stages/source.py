@@ -13,11 +13,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .artifact import Artifact, ArtifactWriter, is_artifact, safetensors_bytes, sha256_file
+from .artifact import SHARD_BYTES, Artifact, ArtifactWriter, is_artifact, safetensors_bytes, sha256_file
 from .errors import ArtifactError, SourceError
 
 GGUF_MAGIC = b"GGUF"
-SHARD_BYTES = 2 << 30  # an import's safetensors files hold up to this many bytes each
 
 
 @dataclass(frozen=True)
@@ -132,12 +131,14 @@ def write_import(model, tokenizer, dest: Path, source: Source, parent: Artifact 
                  max_shard_bytes: int = SHARD_BYTES, progress=None) -> Artifact:
     """Write a loaded model as an `import` artifact at `dest` (its dtype as loaded)."""
     from .model_io import DTYPE_NAMES, model_info, save_model
+    from .safetensors_io import state_bytes
 
     stored = next(model.parameters()).dtype
     config = {"source": source.ref, "dtype": DTYPE_NAMES.get(stored, str(stored)), "max_shard_bytes": max_shard_bytes}
     if progress:
         progress(f"writing {dest}")
     with ArtifactWriter(dest, force=force) as w:
+        w.check_space(state_bytes(model.state_dict()))
         save_model(model, tokenizer, w.tmp, max_shard_bytes)
         info = model_info(model)
         return w.commit("import", config, parent, source_record(source), model=info,

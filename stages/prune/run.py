@@ -8,6 +8,7 @@ from ..artifact import Artifact, ArtifactWriter, check_destination, safetensors_
 from ..eval.before_after import perplexity, reusable_artifact, store_before_after
 from ..model_io import model_info, parse_dtype, save_model
 from ..profile.machine import HOST, peak_memory, reset_peak_memory
+from ..safetensors_io import state_bytes
 from ..source import load, source_record
 from .config import PruneConfig
 from .stage import PruneHooks, check_plan, prune_model
@@ -34,6 +35,7 @@ def run_prune(source_ref: str, dest: Path, config: PruneConfig, force: bool = Fa
     seconds = time.perf_counter() - start
     hooks.status(f"writing {dest}")
     with ArtifactWriter(dest, force=force) as w:
+        w.check_space(state_bytes(loaded.model.state_dict()))
         save_model(loaded.model, loaded.tokenizer, w.tmp)
         info = model_info(loaded.model)
         metrics = {"size_bytes": safetensors_bytes(w.tmp), "prune_seconds": round(seconds, 1),

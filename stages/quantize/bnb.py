@@ -37,6 +37,7 @@ def run_bnb(loaded, dest: Path, config, force: bool, hooks):
         model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=bnb_config(config.scheme),
                                                      device_map=config.device, dtype=torch.bfloat16)
     with ArtifactWriter(dest, force=force) as w:
+        w.check_space(model.get_memory_footprint())
         model.save_pretrained(w.tmp)
         loaded.tokenizer.save_pretrained(w.tmp)
         info = model_info(loaded.model)

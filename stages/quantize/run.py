@@ -30,11 +30,12 @@ def run_quantize(source_ref: str, dest: Path, config: QuantizeConfig, force: boo
         from .bnb import run_bnb
 
         return run_bnb(loaded, dest, config, force, hooks)
-    plan_targets(loaded.model, config)  # bad group sizes / ignore patterns fail before any work
+    targets = plan_targets(loaded.model, config)  # bad group sizes / ignore patterns fail before any work
     base = perplexity(loaded.model, loaded.tokenizer, config.eval_windows, hooks, "base",
                       reusable_artifact(loaded, config.dtype))
     info = model_info(loaded.model)
     with ArtifactWriter(dest, force=force) as w:  # layers stream into it; any failure removes it
+        w.check_space(expected_bytes(loaded.model, targets, config))  # before the long part, not after
         shards = ShardWriter(w.tmp)
         start = time.perf_counter()
         method, reports = quantize_model(loaded.model, loaded.tokenizer, config, hooks, sink=shards.add)
@@ -50,3 +51,20 @@ def run_quantize(source_ref: str, dest: Path, config: QuantizeConfig, force: boo
                                             "quantization": per_layer_table(method, reports, embedding)})
     store_before_after(art, config.eval_windows, hooks, base, "quantized")
     return art
+
+
+def expected_bytes(model, targets: dict, config: QuantizeConfig) -> int:
+    """A lower bound on the quantized weights' bytes (scales left out): each target Linear at its bits per
+    weight, an int8 embedding at one byte per value, every other tensor as stored."""
+    bits = {f"model.layers.{i}.{name}.weight": args.bits
+            for i, layer in targets.items() for name, args in layer.items()}
+    if config.embeddings == "int8":
+        bits["model.embed_tokens.weight"] = 8
+    seen, total = set(), 0
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), tuple(t.shape))
+        if key in seen:  # a tied lm_head is stored once
+            continue
+        seen.add(key)
+        total += t.numel() * bits[name] // 8 if name in bits else t.numel() * t.element_size()
+    return total

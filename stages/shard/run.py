@@ -11,7 +11,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ..artifact import Artifact, ArtifactWriter, check_destination, rank_dir, safetensors_bytes
+from ..artifact import Artifact, ArtifactWriter, check_destination, member_path, rank_dir, safetensors_bytes
 from ..compressed import LinearScheme, parse_schemes
 from ..errors import ArtifactError, ConfigError
 from ..safetensors_io import ShardWriter, load_dir, weight_files
@@ -45,6 +45,7 @@ def run_shard(source_ref: str, dest: Path, config: ShardConfig, force: bool = Fa
     plan = _plan(model_config, schemes, config.tp)
     start = time.perf_counter()
     with ArtifactWriter(dest, force=force) as w:
+        w.check_space(safetensors_bytes(directory))  # the ranks' slices add up to the source (norms repeat)
         _copy_model_files(directory, w.tmp)
         rank_bytes = [_write_rank(w.tmp, state, schemes, plan, r, model_config, hooks) for r in range(config.tp)]
         total = safetensors_bytes(directory)
@@ -104,31 +105,25 @@ def _cut_unit(scheme: LinearScheme, in_features: int) -> int:
 
 
 def _copy_model_files(src: Path, dst: Path) -> None:
-    """config.json, tokenizer and generation config, as they are (every rank reads the same ones)."""
+    """config.json, tokenizer and generation config, as they are (every rank reads the same ones); a symlink
+    that leads out of the source directory is refused, not copied."""
     for p in sorted(src.iterdir()):
         if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES) and p.name != "llmopt.json":
-            shutil.copy2(p, dst / p.name)
+            shutil.copy2(member_path(src, p.name, f"{src}: file"), dst / p.name)
 
 
 def _write_rank(root: Path, state: dict, schemes: dict, plan: dict, rank: int, config: dict, hooks) -> int:
     folder = root / rank_dir(rank)
     folder.mkdir()
     slicer = RankSlicer(state, schemes, plan, rank)
-    writer, pending = ShardWriter(folder), {}
-
-    def add(tensors: dict, flush: bool = False) -> None:  # files of up to PART_BYTES, not one per layer
-        pending.update(tensors)
-        if flush or sum(t.numel() * t.element_size() for t in pending.values()) >= PART_BYTES:
-            writer.add(dict(pending))
-            pending.clear()
-
-    add(slicer.vocab("model.embed_tokens"))
+    writer = ShardWriter(folder, PART_BYTES)  # files of up to PART_BYTES, not one per layer
+    writer.add(slicer.vocab("model.embed_tokens"))
     for i in range(int(config["num_hidden_layers"])):
-        add(slicer.layer(f"model.layers.{i}"))
+        writer.add(slicer.layer(f"model.layers.{i}"))
     tail = {"model.norm.weight": state["model.norm.weight"]}
     if not config.get("tie_word_embeddings") and any(k.startswith("lm_head.") for k in state):
         tail.update(slicer.vocab("lm_head"))
-    add(tail, flush=True)
+    writer.add(tail)
     writer.close()
     nbytes = safetensors_bytes(folder)
     hooks.status(f"rank {rank}: {nbytes / 2**20:.1f} MiB")
