@@ -2,7 +2,9 @@
 says 503, then a bounded wait, then every unfinished request is ended cleanly, and exit 0."""
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 import threading
 import time
 
@@ -105,3 +107,34 @@ def test_sigterm_drains_in_order_and_ends_every_request_cleanly(model_dir, tmp_p
     assert len([line for line in stderr.splitlines() if "aborted cmpl-" in line]) == 2  # one line each
     print(f"port closed {closed_after:.2f} s after SIGTERM, long stream ended {long.done_at - sent:.2f} s after, "
           f"exit {exited_after:.2f} s after")
+
+
+
+def draining_server(grace_s: float):
+    """A DrainingServer that has started (nothing bound): what its signal handler decides."""
+    import uvicorn
+
+    from llmopt.stages.serve.http import ServerConfig
+    from llmopt.stages.serve.http.server import DrainingServer
+    from llmopt.stages.serve.http.state import ServerState
+
+    config = ServerConfig(drain_grace_s=grace_s)
+    server = DrainingServer(config, ServerState(config), uvicorn.Config(lambda scope, receive, send: None))
+    server.started = True
+    return server
+
+
+def test_sigterm_starts_the_grace_and_a_second_signal_ends_it():
+    server = draining_server(30)
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.state.draining and not server.should_exit and server.grace_ends > time.monotonic() + 20
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.grace_ends <= time.monotonic() and not server.should_exit
+    assert asyncio.run(server.on_tick(1)) and server.should_exit  # uvicorn's next tick (every 0.1 s) ends it
+
+
+def test_ctrl_c_skips_the_grace():
+    """SIGINT is a person at a terminal, not an orchestrator: no load balancer to wait for."""
+    server = draining_server(30)
+    server.handle_exit(signal.SIGINT, None)
+    assert server.state.draining and server.should_exit and server.grace_ends is None
