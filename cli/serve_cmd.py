@@ -5,12 +5,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmopt.stages.serve.config import DEFAULTS, ServeConfig
+from llmopt.stages.serve.config import DEFAULTS, OPTIONS, ServeConfig
 
 from .options import Backend, BackendOpt, DType, DTypeOpt, MasterAddr, MasterPort, NNodes, NodeRank, Source, stage_options
 
 Opt = typer.Option
 E, S, T = DEFAULTS.engine, DEFAULTS.server, DEFAULTS.tp  # every default below is read from ServeConfig
+O = OPTIONS.defaults  # those of options that are no config field (--api-key-file)
 
 
 def run(source: Source,
@@ -18,6 +19,8 @@ def run(source: Source,
         port: Annotated[int, Opt("--port", min=0, max=65535)] = S.port,
         api_key: Annotated[Optional[str], Opt("--api-key", envvar="LLMOPT_API_KEY", help="Require "
                                               "'Authorization: Bearer KEY' (all but /health).")] = S.api_key,
+        api_key_file: Annotated[Optional[str], Opt("--api-key-file", help="Read the key from this file (kept out "
+                                                   "of `ps`), instead of --api-key.")] = O.api_key_file,
         served_model_name: Annotated[Optional[str], Opt("--served-model-name", help="Default: SOURCE.")] = None,
         metrics_public: Annotated[bool, Opt("--metrics-public",
                                             help="/metrics without the API key.")] = S.metrics_public,
@@ -28,8 +31,16 @@ def run(source: Source,
         max_body_bytes: Annotated[int, Opt("--max-body-bytes", min=1)] = S.max_body_bytes,
         request_timeout: Annotated[Optional[float], Opt("--request-timeout", help="Seconds; abort a request "
                                                         "still running (504).")] = S.request_timeout_s,
-        drain_timeout: Annotated[float, Opt("--drain-timeout", help="Seconds in-flight requests may finish "
-                                            "after SIGTERM/SIGINT.")] = S.drain_timeout_s,
+        drain_grace: Annotated[float, Opt("--drain-grace", help="Seconds to keep accepting after SIGTERM (503 "
+                                          "to /health and new requests) before the port closes.")] = S.drain_grace_s,
+        drain_timeout: Annotated[float, Opt("--drain-timeout", help="Then seconds in-flight requests may finish "
+                                            "before they are aborted.")] = S.drain_timeout_s,
+        header_timeout: Annotated[float, Opt("--header-timeout", help="Seconds a connection may take to send its "
+                                             "request headers, or stall in a body (408).")] = S.header_timeout_s,
+        keep_alive_timeout: Annotated[float, Opt("--keep-alive-timeout", help="Seconds an idle keep-alive "
+                                                 "connection stays open.")] = S.keep_alive_timeout_s,
+        max_connections: Annotated[int, Opt("--max-connections", min=1, help="Open connections; past this a "
+                                            "request gets 503 at once.")] = S.max_connections,
         log_json: Annotated[bool, Opt("--log-json", help="Access log as JSON lines.")] = S.log_json,
         block_size: Annotated[int, Opt("--block-size", min=1)] = E.block_size,
         kv_cache_memory: Annotated[Optional[str], Opt("--kv-cache-memory", help="Bytes (4GiB) or a fraction "

@@ -62,7 +62,8 @@ class ServeConfig(FromOptions):
         """The config for every option's value (the command's names; see OPTIONS)."""
         engine = EngineConfig(**{name: o[name] for name in ENGINE_OPTIONS})
         server = {name: o[name] for name in SERVER_OPTIONS}
-        server |= {"request_timeout_s": o["request_timeout"], "drain_timeout_s": o["drain_timeout"]}
+        server |= {f"{name}_s": o[name] for name in SERVER_SECONDS}
+        server["api_key"] = read_api_key(o["api_key"], o["api_key_file"])
         if o["served_model_name"] is not None:  # None: the command names the model after its SOURCE
             server["served_model_name"] = o["served_model_name"]
         tp = TPOptions(o["nnodes"], o["node_rank"], o["master_addr"], o["master_port"])
@@ -71,17 +72,44 @@ class ServeConfig(FromOptions):
 
 ENGINE_OPTIONS = ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                   "max_batch_size", "max_wait_ms", "enforce_eager")
-SERVER_OPTIONS = ("host", "port", "api_key", "metrics_public", "max_queued_requests", "max_queued_tokens",
-                  "max_body_bytes", "log_json")
+SERVER_OPTIONS = ("host", "port", "metrics_public", "max_queued_requests", "max_queued_tokens", "max_body_bytes",
+                  "max_connections", "log_json")
+SERVER_SECONDS = ("request_timeout", "drain_grace", "drain_timeout", "header_timeout", "keep_alive_timeout")
+
+
+def read_api_key(given: str | None, path: str | None) -> str | None:
+    """The key from --api-key (or $LLMOPT_API_KEY), or read from --api-key-file, which keeps it out of
+    `ps` and the shell's history: the file's text without surrounding whitespace."""
+    if path is None:
+        return given
+    if given is not None:
+        raise ConfigError("give the API key once: --api-key-file, or --api-key / $LLMOPT_API_KEY, not both")
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else e.__class__.__name__
+        raise ConfigError(f"--api-key-file {path}: cannot read it ({reason})") from None
+    if not key:
+        raise ConfigError(f"--api-key-file {path}: the file is empty")
+    if any(c.isspace() for c in key):
+        raise ConfigError(f"--api-key-file {path}: the key must be one word (the file holds whitespace inside it)")
+    return key
+
+
 DEFAULTS = ServeConfig()  # what every option is when not given: the command line reads its defaults here
 _E, _S, _T = DEFAULTS.engine, DEFAULTS.server, DEFAULTS.tp
 OPTIONS = Options(  # in `llmopt serve`'s order
     Option("host", str, _S.host), Option("port", int, _S.port), Option("api_key", str, _S.api_key, optional=True),
+    Option("api_key_file", str, None, optional=True),
     Option("served_model_name", str, None, optional=True), Option("metrics_public", bool, _S.metrics_public),
     Option("max_queued_requests", int, _S.max_queued_requests), Option("max_queued_tokens", int, _S.max_queued_tokens),
     Option("max_body_bytes", int, _S.max_body_bytes),
     Option("request_timeout", float, _S.request_timeout_s, optional=True),
-    Option("drain_timeout", float, _S.drain_timeout_s), Option("log_json", bool, _S.log_json),
+    Option("drain_grace", float, _S.drain_grace_s), Option("drain_timeout", float, _S.drain_timeout_s),
+    Option("header_timeout", float, _S.header_timeout_s),
+    Option("keep_alive_timeout", float, _S.keep_alive_timeout_s), Option("max_connections", int, _S.max_connections),
+    Option("log_json", bool, _S.log_json),
     Option("block_size", int, _E.block_size), Option("kv_cache_memory", str, _E.kv_cache_memory, optional=True),
     Option("max_num_seqs", int, _E.max_num_seqs), Option("max_num_batched_tokens", int, _E.max_num_batched_tokens),
     Option("max_model_len", int, _E.max_model_len, optional=True),

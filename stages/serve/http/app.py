@@ -14,7 +14,7 @@ from ...errors import LlmoptError
 from . import chat, completions, routes
 from .config import ServerConfig
 from .errors import install_handlers
-from .middleware import AccessLog, ApiKeyAuth, BodyLimit
+from .middleware import AccessLog, ApiKeyAuth, BodyLimit, BodyTimeout
 from .state import ServerState
 
 log = logging.getLogger("llmopt.serve")
@@ -52,7 +52,8 @@ def create_app(config: ServerConfig, engine=None, loader: Callable[[], object] |
 
 
 def _add_middleware(app: FastAPI, config: ServerConfig) -> None:
-    # Each one added wraps the ones before: the access log sees every answer, 401 and 413 included.
+    # Each one added wraps the ones before: the access log sees every answer, 401, 408 and 413 included.
+    app.add_middleware(BodyTimeout, timeout_s=config.header_timeout_s)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     if config.api_key is not None:
         open_paths = {"/health"} | ({"/metrics"} if config.metrics_public else set())
@@ -70,10 +71,14 @@ def _load_in_background(state: ServerState, loader, on_load_error) -> None:
                 return
             state.attach(engine)
             _watch_ranks(engine, state, loop, on_load_error)
-            log.info("model loaded; serving")
+            host = f"[{state.config.host}]" if ":" in state.config.host else state.config.host
+            log.info("model loaded; serving on http://%s:%d", host, state.config.port)
             return
         state.load_error = error
-        log.error("the model failed to load: %s", error, exc_info=None if isinstance(error, LlmoptError) else error)
+        # Whoever passed on_load_error reports a known error (`llmopt serve`: one line, exit 2); a bug is
+        # logged here with its traceback either way.
+        if on_load_error is None or not isinstance(error, LlmoptError):
+            log.error("the model failed to load: %s", error, exc_info=None if isinstance(error, LlmoptError) else error)
         if on_load_error is not None:
             on_load_error(error)
 

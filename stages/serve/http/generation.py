@@ -2,9 +2,10 @@
 
 It has the engine check every sequence before any is admitted (a too-long prompt is a 400 even on
 a busy server), passes admission (or a 503), merges the sequences' outputs, feeds the metrics, and
-on every way out — finished, client gone, timeout, error — aborts what is still running, so the
-engine frees those KV blocks at its next step. The engine keeps every request's state; this keeps
-only the HTTP request's: its streams, metric traces, timer and disconnect watcher.
+on every way out — finished, client gone, timeout, server shutdown, error — aborts what is still
+running, so the engine frees those KV blocks at its next step. The engine keeps every request's
+state; this keeps only the HTTP request's: its streams, metric traces, timer and disconnect watcher.
+The server's state lists it while it runs, so a drain that runs out of time can abort it.
 """
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ class Generation:
         self.jobs = [(f"{request_id}-{len(params) * p + i}", ids, sp)
                      for p, ids in enumerate(prompts) for i, sp in enumerate(params)]
         self.traces = [SequenceTrace(state.metrics) for _ in self.jobs]
-        self.timed_out = self.disconnected = False
+        self.timed_out = self.disconnected = self.stopped = False
         self.timer = self.watcher = None
+        self.access_id: str | None = None  # the access log's id of the HTTP request (X-Request-Id)
         self.streams: list[AsyncIterator[RequestOutput]] = []
 
     def __len__(self) -> int:
@@ -65,10 +67,12 @@ class Generation:
         except BaseException:  # the engine died meanwhile: take back what was submitted
             self.close()
             raise
+        self.state.in_flight.add(self)
         timeout = self.state.config.request_timeout_s
         if timeout is not None:
             self.timer = asyncio.get_running_loop().call_later(timeout, self._expire)
         if request is not None:
+            self.access_id = request.scope.get("state", {}).get("request_id")
             self.watcher = asyncio.ensure_future(self._watch(request))
         return self
 
@@ -91,6 +95,10 @@ class Generation:
             results[index].add(out)
         if self.disconnected:  # nobody will read this; it names the outcome in the access log
             raise APIError(499, "the client closed the connection", code="client_closed_request")
+        if self.stopped:
+            raise APIError(503, f"the server shut down before this request finished (its --drain-timeout is "
+                           f"{self.state.config.drain_timeout_s:g} s); retry on another replica", code="shutting_down",
+                           headers={"Retry-After": str(self.state.config.retry_after_s), "Connection": "close"})
         return results
 
     def cancel(self) -> None:
@@ -99,12 +107,18 @@ class Generation:
         for seq_id, _, _ in self.jobs[:len(self.streams)]:
             self.engine.abort(seq_id)
 
+    def shut_down(self) -> None:
+        """Abort for a server that is stopping: a stream's last chunk says "abort", a whole response is 503."""
+        self.stopped = True
+        self.cancel()
+
     def close(self) -> None:
         """End the request for good: abort leftovers, stop the timer and watcher."""
         for handle in (self.timer, self.watcher):
             if handle is not None:
                 handle.cancel()
         self.cancel()
+        self.state.in_flight.discard(self)
 
     def _checked(self, seq_id: str, ids: list[int], params) -> Request:
         try:

@@ -10,6 +10,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 FINISH_REASONS = ("stop", "length", "abort")
+REJECT_REASONS = ("queue_full", "queue_tokens_full", "draining", "too_many_connections")
 
 
 class ServerMetrics:
@@ -46,8 +47,9 @@ class ServerMetrics:
                                            "cache.", stats.prefix_cache_queries)
             lines += prom.counter_snapshot(p + "prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
                                            stats.prefix_cache_hits)
-        lines += prom.counter_snapshot(p + "requests_rejected_total", "Requests refused with 503 by the queue bounds.",
-                                       {k: rejected.get(k, 0) for k in ("queue_full", "queue_tokens_full")}, "reason")
+        lines += prom.counter_snapshot(p + "requests_rejected_total", "Requests refused with 503: the queue bounds, "
+                                       "a drain, too many connections.",
+                                       {k: rejected.get(k, 0) for k in REJECT_REASONS}, "reason")
         lines += self.prompt_tokens.render() + self.generation_tokens.render()
         for histogram in self.histograms:
             lines += histogram.render()

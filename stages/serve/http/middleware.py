@@ -1,16 +1,19 @@
-"""ASGI middleware, outermost first: access log with a request id, API-key check, body-size limit.
+"""ASGI middleware, outermost first: access log with a request id, API-key check, body-size limit,
+body stall timeout; and the app that answers a connection past the server's limit.
 
 Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would buffer and detach streaming
 responses from the client's disconnect.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import re
 import time
 import uuid
+from typing import Callable
 
 from .common import dumps
 from .errors import APIError, error_body
@@ -19,7 +22,7 @@ access_log = logging.getLogger("llmopt.access")
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
-async def _send_error(send, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
+async def send_error(send, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
     body = dumps(error_body(status, message, code=code))
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -81,8 +84,8 @@ class ApiKeyAuth:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.open_paths or self._authorized(scope):
             return await self.app(scope, receive, send)
-        await _send_error(send, 401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                          "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        await send_error(send, 401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                         "invalid_api_key", {"WWW-Authenticate": "Bearer"})
 
     def _authorized(self, scope) -> bool:
         value = (_header(scope, b"authorization") or "").encode("latin-1")
@@ -101,7 +104,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await _send_error(send, 413, self._message(declared), "request_too_large")
+            return await send_error(send, 413, self._message(declared), "request_too_large")
         received = 0
 
         async def limited_receive():
@@ -116,3 +119,43 @@ class BodyLimit:
 
     def _message(self, size: str) -> str:
         return f"the request body ({size} bytes) is over the server's limit of {self.limit} bytes"
+
+
+class BodyTimeout:
+    """408 for a request body that stalls: no new bytes for `timeout_s` while the app waits for more.
+    Only the body is timed; what the app receives after it (a disconnect) may take as long as it takes."""
+
+    def __init__(self, app, timeout_s: float):
+        self.app, self.timeout_s = app, timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        complete = False
+
+        async def timed_receive():
+            nonlocal complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except TimeoutError:
+                raise APIError(408, f"the request body stalled: no data for {self.timeout_s:g} s (the server's "
+                               "--header-timeout)", code="body_timeout", headers={"Connection": "close"}) from None
+            complete = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        await self.app(scope, timed_receive, send)
+
+
+def connection_refusal(retry_after_s: int, refused: Callable[[], None]):
+    """The ASGI app that answers every request on a connection past --max-connections: 503 at once."""
+    message = "the server has too many open connections; retry later"
+    headers = {"Retry-After": str(retry_after_s), "Connection": "close"}
+
+    async def refuse(scope, receive, send):
+        if scope["type"] == "http":
+            refused()
+            await send_error(send, 503, message, "too_many_connections", headers)
+
+    return refuse

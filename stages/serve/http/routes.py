@@ -38,10 +38,12 @@ async def health(request: Request):
     state = server_state(request)
     if state.healthy:
         return {"status": "ok"}
-    if state.engine is None:
+    if state.draining:
+        status = "draining"
+    elif state.engine is None:
         status = "load_failed" if state.load_error is not None else "loading"
     else:
-        status = "draining" if state.draining else "engine_dead"
+        status = "engine_dead"
     return JSONResponse({"status": status}, status_code=503)
 
 
@@ -49,6 +51,5 @@ async def health(request: Request):
 async def metrics(request: Request):
     """Prometheus text format; names prefixed `llmopt:`."""
     state = server_state(request)
-    rejected = state.admission.rejected if state.admission is not None else {}
-    text = state.metrics.render(state.stats(), rejected, state.healthy)
+    text = state.metrics.render(state.stats(), state.rejected(), state.healthy)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,18 +1,38 @@
-"""Run the app on uvicorn until SIGINT/SIGTERM, then drain: stop accepting, let in-flight requests
-finish for up to `drain_timeout_s`, stop the engine, and return normally (exit code 0)."""
+"""Run the app on uvicorn until SIGTERM/SIGINT, then drain, in the order a Kubernetes readiness probe
+expects, and return normally (exit code 0):
+
+1. Grace: `/health` answers 503 `draining` and new requests 503 + Retry-After, while the port stays
+   open for `drain_grace_s`, so a load balancer sees the 503 and stops sending, instead of meeting a
+   refused connection. Requests in flight run on. (SIGTERM only: Ctrl-C has no load balancer to tell.)
+2. The port closes; requests in flight may finish for up to `drain_timeout_s`.
+3. What still runs is aborted: a stream gets a last chunk whose finish_reason is "abort", then
+   [DONE]; a whole response gets 503; one log line each, no traceback. Then the engine stops.
+
+A second signal ends the grace at once; a second Ctrl-C after that quits without waiting (uvicorn's
+force exit). Connections are guarded throughout (http/connections.py, middleware.BodyTimeout).
+"""
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import logging
 import signal
+import socket
 import sys
+import time
 from contextlib import contextmanager
 from typing import Callable
+
+import uvicorn
 
 from ...errors import LlmoptError
 from .app import create_app
 from .config import ServerConfig
+from .connections import guarded_protocol
+from .middleware import connection_refusal
 
 log = logging.getLogger("llmopt.serve")
+FLUSH_S = 5.0  # after the abort, for the last frames to go out before uvicorn cancels what is left
 
 
 def setup_logging(log_json: bool) -> None:
@@ -26,14 +46,7 @@ def setup_logging(log_json: bool) -> None:
 
 
 def make_server(config: ServerConfig, loader: Callable[[], object], on_load_error=None):
-    """A uvicorn Server for the app (not started); `run()` serves until a signal."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            app.state.server.draining = True  # /health says 503 from the first signal on
-            super().handle_exit(sig, frame)
-
+    """A uvicorn Server for the app (not started); `run()` serves until a signal, then drains."""
     def failed(error: BaseException) -> None:
         server.load_error = error
         server.should_exit = True
@@ -41,15 +54,24 @@ def make_server(config: ServerConfig, loader: Callable[[], object], on_load_erro
             on_load_error(error)
 
     app = create_app(config, loader=loader, on_load_error=failed)
-    server = Server(uvicorn.Config(app, host=config.host, port=config.port, access_log=False, lifespan="on",
-                                   timeout_graceful_shutdown=config.drain_timeout_s, log_level="info"))
-    server.load_error = None
+    state = app.state.server
+    refuse = connection_refusal(config.retry_after_s, lambda: state.refused.update(["too_many_connections"]))
+    # uvicorn's own lines stay quiet below warnings: what a user needs (serving, draining) is ours, and a
+    # model that fails to load is one line from the command.
+    server = DrainingServer(config, state, uvicorn.Config(
+        app, host=config.host, port=config.port, access_log=False, lifespan="on", log_level="warning",
+        http=guarded_protocol(config.header_timeout_s, config.max_connections, refuse),
+        timeout_keep_alive=config.keep_alive_timeout_s,  # typed int, used as call_later(seconds)
+        timeout_graceful_shutdown=config.drain_timeout_s + FLUSH_S))
     return server
 
 
 def serve(config: ServerConfig, loader: Callable[[], object]) -> None:
     """Serve until SIGINT/SIGTERM. Raises the loader's error if the model fails to load."""
     setup_logging(config.log_json)
+    if config.api_key is None and not is_loopback(config.host):
+        log.warning("warning: serving on %s, which is not a loopback address, without an API key: anyone who can "
+                    "reach port %d can use the model (give --api-key-file or $LLMOPT_API_KEY)", config.host, config.port)
     server = make_server(config, loader)
     with _signals_stop(server):
         try:
@@ -61,6 +83,63 @@ def serve(config: ServerConfig, loader: Callable[[], object]) -> None:
         raise error
     if error is not None:
         raise LlmoptError(f"the model failed to load: {error.__class__.__name__}: {error}") from error
+    if server.signalled:
+        log.info("stopped")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) reaches this machine only; a name that does not resolve is not."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server with the drain above: the grace before its own shutdown, and the abort at the
+    end of `drain_timeout_s` inside it."""
+
+    def __init__(self, config: ServerConfig, state, uvicorn_config: uvicorn.Config):
+        super().__init__(uvicorn_config)
+        self.settings, self.state = config, state
+        self.load_error: BaseException | None = None
+        self.signalled = False
+        self.grace_ends: float | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.signalled:
+            self.signalled = True
+            self.state.draining = True  # /health and new requests say 503 from the first signal on
+            grace = self.settings.drain_grace_s if sig == signal.SIGTERM else 0.0
+            if grace > 0 and self.started and not self.should_exit:
+                self.grace_ends = time.monotonic() + grace
+                log.info("SIGTERM: draining; /health and new requests get 503, the port stays open for %g s", grace)
+                return
+        elif self.grace_ends is not None and not self.should_exit:
+            self.grace_ends = time.monotonic()  # a second signal: no more grace
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.grace_ends is not None and time.monotonic() >= self.grace_ends:
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+    async def shutdown(self, sockets=None) -> None:
+        self.state.draining = True
+        if self.signalled:
+            log.info("port closed; waiting up to %g s for %d request(s) in flight", self.settings.drain_timeout_s,
+                     len(self.state.in_flight))
+        abort = asyncio.get_running_loop().call_later(self.settings.drain_timeout_s, self.state.abort_in_flight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            abort.cancel()
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 from ..engine.async_engine import AsyncEngine
 from .admission import Admission
@@ -24,6 +25,8 @@ class ServerState:
         self.draining = False
         self.fatal: BaseException | None = None  # a tensor-parallel rank died: the server is stopping
         self.loader = None  # the thread loading the model, when the app loads it
+        self.in_flight: set = set()  # the Generations submitted and not yet closed
+        self.refused: Counter[str] = Counter()  # 503s given before admission (draining, too many connections)
 
     def attach(self, llm_engine) -> None:
         """Serve `llm_engine` (an LLMEngine): start its loop thread and open the API."""
@@ -45,7 +48,11 @@ class ServerState:
         return self.engine is not None and self.engine.is_healthy and not self.draining and self.fatal is None
 
     def ready_engine(self) -> AsyncEngine:
-        """The running engine, or 503: still loading, failed to load, or dead."""
+        """The running engine, or 503: shutting down, still loading, failed to load, or dead."""
+        if self.draining:
+            self.refused["draining"] += 1
+            raise APIError(503, "the server is shutting down; retry on another replica", code="draining",
+                           headers={"Retry-After": str(self.config.retry_after_s), "Connection": "close"})
         if self.engine is None:
             if self.load_error is not None:
                 raise APIError(503, f"the model failed to load: {self.load_error}", code="load_failed")
@@ -59,6 +66,20 @@ class ServerState:
 
     def stats(self):
         return self.engine.stats() if self.engine is not None else None
+
+    def rejected(self) -> Counter[str]:
+        """Every 503 refusal by its code, admission's and the server's own."""
+        return (self.admission.rejected if self.admission is not None else Counter()) + self.refused
+
+    def abort_in_flight(self) -> int:
+        """At the end of the drain: abort every request still running. A stream ends with a last chunk
+        whose finish_reason is "abort" and [DONE], a whole response is 503. One log line each."""
+        aborted = list(self.in_flight)
+        for generation in aborted:
+            log.warning("aborted %s (request id %s): still running when the drain timeout (%g s) ran out",
+                        generation.request_id, generation.access_id or "-", self.config.drain_timeout_s)
+            generation.shut_down()
+        return len(aborted)
 
     def shutdown(self) -> None:
         """Stop the engine after its current step (again harmless)."""

@@ -23,7 +23,7 @@ def test_serve_drains_on_sigterm_and_exits_0(model_dir):
     env = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "llmopt.cli.main", "serve", str(model_dir), "--port", str(port),
                "--served-model-name", "tiny", "--block-size", "4", "--kv-cache-memory", "16MiB",
-               "--max-model-len", "128", "--max-num-seqs", "4", "--log-json", "--drain-timeout", "20"]
+               "--max-model-len", "128", "--max-num-seqs", "4", "--log-json", "--drain-grace", "0.2", "--drain-timeout", "20"]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
@@ -55,6 +55,9 @@ def test_serve_drains_on_sigterm_and_exits_0(model_dir):
     (["serve", "/no/such/model"], "no such"),
     (["serve", "smollm2-135m", "--port", "70000"], "--port"),
     (["serve", "smollm2-135m", "--drain-timeout", "-1"], "--drain-timeout"),
+    (["serve", "smollm2-135m", "--drain-grace", "-1"], "--drain-grace"),
+    (["serve", "smollm2-135m", "--header-timeout", "0"], "--header-timeout"),
+    (["serve", "smollm2-135m", "--keep-alive-timeout", "0"], "--keep-alive-timeout"),
     (["serve", "smollm2-135m", "--max-num-seqs", "64", "--max-num-batched-tokens", "8"], "--max-num-batched-tokens"),
 ])
 def test_serve_refuses_bad_options_at_once(argv, expect, capsys):
