@@ -50,7 +50,9 @@ class ServerSpec:
         if self.engine == "hf":
             head = [sys.executable, "-m", BASELINE_MODULE, self.source]
         else:
-            head = [sys.executable, "-m", "llmopt.cli.main", "serve", self.source]
+            # Nothing balances load onto a server bench started itself: no grace window when it stops
+            # (given first, so --serve-args can still set one).
+            head = [sys.executable, "-m", "llmopt.cli.main", "serve", self.source, "--drain-grace", "0"]
         return [*head, "--port", str(port), *self.args]
 
     def describe(self) -> dict:

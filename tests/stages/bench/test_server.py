@@ -62,3 +62,11 @@ def test_a_server_that_never_answers_times_out_and_is_stopped(tmp_path):
 def test_unknown_engine_is_a_config_error(capsys):
     assert main(["bench", "--server", "x", "--engine", "vllm"]) == 2
     assert "--engine vllm: use llmopt or hf" in capsys.readouterr().err
+
+
+def test_the_bench_server_has_no_drain_grace_unless_serve_args_set_one():
+    spec = ServerSpec("out/x", args=("--drain-grace", "2"))
+    command = spec.command(8000)
+    grace = [i for i, word in enumerate(command) if word == "--drain-grace"]
+    assert [command[i + 1] for i in grace] == ["0", "2"]  # ours first: the user's, given last, wins
+    assert "--drain-grace" not in ServerSpec("out/x", engine="hf").command(8000)
