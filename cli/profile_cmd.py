@@ -71,7 +71,6 @@ def run(sources: Sources = None,
     from llmopt.stages.profile.config import ProfileConfig
     from llmopt.stages.profile.html import check_output_path, write_report
     from llmopt.stages.profile.modes import check_sources
-    from llmopt.stages.profile.run import preflight, run_profile
     from llmopt.stages.progress import StageHooks
 
     config = ProfileConfig.from_options(stage_options(locals(), OPTIONS))
@@ -81,6 +80,8 @@ def run(sources: Sources = None,
     check_sources(sources, config)
     if config.mode != "sweep":
         raise typer.Exit(_measure(sources, config, json_file, html_file))
+    from llmopt.stages.profile.run import preflight, run_profile
+
     preflight(sources, config)
     with progress_bar("profile") as update:
         report = run_profile(sources, config, StageHooks(status=note, window=update))
@@ -123,16 +124,10 @@ def _quantizer(config):
 
 def _save_model(config) -> dict:
     """--synthetic SHAPE --save-model DIR: the model written as an artifact; its path and facts."""
-    from llmopt.stages.model_io import parse_dtype
-    from llmopt.stages.profile.modes import check_sources
-    from llmopt.stages.synthetic_model import SAVED_LAYERS, write_synthetic_model
+    from llmopt.stages.synthetic_model import save_model
 
-    config.validate()
-    check_sources([], config)
-    art = write_synthetic_model(Path(config.save_model), config.synthetic, config.layers or SAVED_LAYERS,
-                                parse_dtype(config.dtype), config.device)
-    model = art.manifest["model"]
-    note(f"wrote {art.path}: synthetic {config.synthetic}, {model['num_hidden_layers']} layers, "
+    report = save_model(config)
+    model = report["model"]
+    note(f"wrote {report['path']}: synthetic {config.synthetic}, {model['num_hidden_layers']} layers, "
          f"{model['num_parameters']:,} parameters, {model['dtype']}, vocabulary {model['vocab_size']}")
-    return {"tool": "llmopt profile --synthetic --save-model", "path": str(art.path),
-            "content_hash": art.content_hash, "model": model}
+    return report

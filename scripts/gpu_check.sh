@@ -10,18 +10,18 @@
 #              in .whl/ (`make gpu-wheels`) into a scratch folder when fastapi, uvicorn, pydantic,
 #              compressed-tensors, gguf, typer, rich or httpx do not import (pip under timeout 60; the rest
 #              of setup sets the environment, so it runs outside `timeout`)
-#   a      75  kernel tests: pytest tests/kernels                                     -> kernel-tests.xml
+#   a      70  kernel tests: pytest tests/kernels                                     -> kernel-tests.xml
 #   b      40  kernel speed: w4a16 / w8a16 / w8a8 at M = 1, 16, 64 on 4096x4096 and 4096x14336 against
 #              cuBLAS fp16, paged decode attention batch 32 x 2048, as shares of the copy bandwidth
 #              measured in the same run (profile --synthetic llama3-8b --kernel-speed) -> kernels.json
 #   c     110  the engine on 32 random Llama-3-8B layers, batches 1, 32, 128 (profile --synthetic
-#              llama3-8b): bf16 (45) then W4A16 RTN-quantized on the GPU (65) -> engine-bf16.json, engine-w4a16.json
-#   d      75  end to end: a 2-layer synthetic Llama-3-8B artifact with a chat tokenizer (--save-model),
+#              llama3-8b): bf16 (40) then W4A16 RTN-quantized on the GPU (70) -> engine-bf16.json, engine-w4a16.json
+#   d      80  end to end: a 2-layer synthetic Llama-3-8B artifact with a chat tokenizer (--save-model),
 #              llmopt quantize --device cuda (RTN W4A16), llmopt bench --server (llmopt serve --device
 #              cuda) on random prompts at concurrency 1 and 32 -> bench-c1.json, bench-c32.json
-#   e      45  greedy tokens, CUDA bf16 against CPU fp32 on a tiny model (20) -> greedy.json; the
-#              CUDA-graph tests, pytest tests/stages/serve -k cuda (25) -> graphs.xml
-#   f       5  the verdict: llmopt profile --acceptance                           -> acceptance.json
+#   e      40  greedy tokens, CUDA bf16 against CPU fp32 on a tiny model (20) -> greedy.json; the
+#              CUDA-graph tests, pytest tests/stages/serve -k cuda (20) -> graphs.xml
+#   f      10  the verdict: llmopt profile --acceptance                           -> acceptance.json
 #
 # Usage: scripts/gpu_check.sh   Reports and the log (gpu_check.log) go to $OUT when set, else a new temporary
 # folder. PYTHON=... picks the interpreter. GPU_CHECK_DEVICE=cpu is the smoke mode: every part on CPU with
@@ -34,6 +34,7 @@ DEVICE=${GPU_CHECK_DEVICE:-cuda}
 SCALE=${GPU_CHECK_BUDGET_SCALE:-1}
 [ "$DEVICE" = cpu ] && SCALE=${GPU_CHECK_BUDGET_SCALE:-3}
 BUDGET=${GPU_CHECK_BUDGET_S:-$((360 * SCALE))}
+VERDICT=$((10 * SCALE))  # kept for the last part whatever the others took
 REPORTS=${OUT:-$(mktemp -d)}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
@@ -62,7 +63,7 @@ TIMES=()
 # part NAME BUDGET COMMAND...: run it (a command or an exported function) under timeout, the budget or what is
 # left of the whole check, and note its time; a part that fails leaves its report missing, which fails its rows.
 part() {
-    local name=$1 budget=$(($2 * SCALE)) left=$((BUDGET - SECONDS)) start=$SECONDS rc=0
+    local name=$1 budget=$(($2 * SCALE)) left=$((BUDGET - VERDICT - SECONDS)) start=$SECONDS rc=0
     shift 2
     [ "$left" -lt "$budget" ] && budget=$left
     if [ "$budget" -le 0 ]; then
@@ -143,19 +144,19 @@ export -f llmopt engine end_to_end
     echo "== setup ($SECONDS s so far)"
     setup || echo "!! setup failed: the parts below will say what is missing"
     TIMES+=("setup: $SECONDS s")
-    part "a kernel tests" 75 "$PY" -m pytest -q -p no:cacheprovider $KERNEL_TESTS --junitxml "$REPORTS/kernel-tests.xml"
+    part "a kernel tests" 70 "$PY" -m pytest -q -p no:cacheprovider $KERNEL_TESTS --junitxml "$REPORTS/kernel-tests.xml"
     part "b kernel speed" 40 llmopt profile --synthetic "$SHAPE" --kernel-speed --device "$DEVICE" $KSPEED \
         --json "$REPORTS/kernels.json"
-    part "c engine bf16" 45 engine bf16
-    part "c engine W4A16" 65 engine w4a16 --quantize w4a16
-    part "d end to end" 75 end_to_end
+    part "c engine bf16" 40 engine bf16
+    part "c engine W4A16" 70 engine w4a16 --quantize w4a16
+    part "d end to end" 80 end_to_end
     part "e greedy" 20 llmopt profile --synthetic tiny --check-greedy --device "$DEVICE" --dtype bf16 \
         --json "$REPORTS/greedy.json"
-    part "e CUDA graphs" 25 "$PY" -m pytest -q -p no:cacheprovider tests/stages/serve -k cuda \
+    part "e CUDA graphs" 20 "$PY" -m pytest -q -p no:cacheprovider tests/stages/serve -k cuda \
         --junitxml "$REPORTS/graphs.xml"
     printf '== part times:'; printf ' %s;' "${TIMES[@]}"; echo
     status=0
-    timeout $((20 * SCALE)) "$PY" -m llmopt.cli.main profile --acceptance "$REPORTS" --json "$REPORTS/acceptance.json" || status=$?
+    timeout "$VERDICT" "$PY" -m llmopt.cli.main profile --acceptance "$REPORTS" --json "$REPORTS/acceptance.json" || status=$?
     echo "gpu_check: $SECONDS s, exit status $status; reports in $REPORTS"
     exit "$status"
 } 2>&1 | tee "$LOG"

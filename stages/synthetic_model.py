@@ -26,6 +26,7 @@ import torch
 from .artifact import Artifact, ArtifactWriter, safetensors_bytes
 from .compressed import LinearScheme, build_quantization_config, compress_linear
 from .errors import ConfigError
+from .model_io import DTYPE_NAMES, parse_dtype
 from .profile.synthetic import model_config, random_tensors
 from .quantize.rtn import QuantArgs, compute_qparams, quantize, resolve_group_size
 from .safetensors_io import save_state_dict
@@ -101,7 +102,7 @@ def write_synthetic_model(dest: Path, shape: str, layers: int = SAVED_LAYERS, dt
         "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id, "dtype": str(dtype).removeprefix("torch.")}
     state = dict(random_tensors(config, torch.device(device), dtype, seed=seed))
-    record = {"shape": shape, "layers": layers, "dtype": config["dtype"], "seed": seed, "vocab_size": len(tokenizer)}
+    record = {"shape": shape, "layers": layers, "dtype": DTYPE_NAMES[dtype], "seed": seed, "vocab_size": len(tokenizer)}
     with ArtifactWriter(dest, force=force) as w:
         (w.tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
@@ -115,3 +116,11 @@ def write_synthetic_model(dest: Path, shape: str, layers: int = SAVED_LAYERS, dt
         return w.commit("synthetic", record, None, {"kind": "synthetic", "ref": f"synthetic:{shape}"}, model=model,
                         metrics={"size_bytes": safetensors_bytes(w.tmp), "num_parameters": model["num_parameters"]})
 
+
+
+def save_model(config) -> dict:
+    """`llmopt profile --synthetic SHAPE --save-model DIR` (a ProfileConfig): the artifact's path and facts."""
+    art = write_synthetic_model(Path(config.save_model), config.synthetic, config.layers or SAVED_LAYERS,
+                                parse_dtype(config.dtype), config.device)
+    return {"tool": "llmopt profile --synthetic --save-model", "path": str(art.path),
+            "content_hash": art.content_hash, "model": art.manifest["model"]}

@@ -32,14 +32,14 @@ def run_measurement(sources: list[str], config: ProfileConfig, hooks: StageHooks
                     quantizer=None) -> dict:
     """The measurement `config.mode` names, other than the sweep, on `sources`. quantizer: what --quantize
     runs on the synthetic model's layers (`synthetic.Quantizer`; the command passes the quantize stage's)."""
-    from .machine import torch_threads
-
     config.validate()
     check_sources(sources, config)
-    if config.mode == "acceptance":
+    if config.mode == "acceptance":  # reads JSON: no torch
         from .acceptance import run_acceptance
 
         return run_acceptance(config.acceptance)
+    from .machine import torch_threads
+
     if config.task == "save_model":
         raise ConfigError("--save-model writes a model; the command does that (stages/synthetic_model.py)")
     with torch_threads(config.threads):

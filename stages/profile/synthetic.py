@@ -6,7 +6,7 @@ The shape is Llama-3-8B's (hidden 4096, 32 query / 8 KV heads of 128, intermedia
 check in seconds); a WordLevel tokenizer of the same vocabulary. The real runtime, `ModelRunner`
 (paged KV cache; Triton kernels on CUDA) and `LLMEngine` run it: per batch size (--batch-sizes), that
 many greedy requests of --decode-context random prompt tokens and --decode-steps new tokens, EOS
-ignored. Reported: the median wall time of the steps in which every sequence decodes (the engine's
+ignored, prompts prefilled up to PREFILL_TOKENS per step. Reported: the median wall time of the steps in which every sequence decodes (the engine's
 whole step), tokens/s = batch / step, and the bytes such a step must read at least (every weight but
 the embedding table, plus each sequence's cached K/V at its median length) over the step time, as a
 share of the copy bandwidth measured in the same run (machine.py, STREAM convention).
