@@ -63,7 +63,8 @@ def run(sources: Sources = None,
                                                              "fp32 path; exit 1 unless equal but at near-ties.")]
         = D.check_greedy,
         save_model: Annotated[Optional[str], _opt("--save-model", "--synthetic: instead, write the model with a "
-                                                                  "chat tokenizer as an artifact at DIR.")] = D.save_model,
+                                                                  "chat tokenizer as an artifact at DIR.")]
+        = D.save_model,
         acceptance: Annotated[Optional[str], _opt("--acceptance", "Instead: the GPU check's PASS/FAIL table from "
                                                                   "its reports in DIR; exit 1 if a row fails.")]
         = D.acceptance,

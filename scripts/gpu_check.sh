@@ -45,12 +45,12 @@ export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-160} HF_HUB_OFFLINE=1 TRANSFORMERS_
 if [ "$DEVICE" = cpu ]; then  # smoke mode: the same commands on tiny shapes
     SHAPE=tiny LAYERS=1 BATCHES=1,4 DECODE="--decode-context 32 --decode-steps 8"
     KSPEED="--dtype fp32 --decode-context 256 --repeats 3 --threads 1" E2E_SHAPE=tiny
-    BENCH="--input-len 16 --output-len 8" C1_PROMPTS=2 C32_PROMPTS=32
+    BENCH="--input-len 16 --output-len 8" C1_PROMPTS=2 C32_PROMPTS=32 KV=64MiB
     KERNEL_TESTS=${GPU_CHECK_KERNEL_TESTS:-tests/kernels/test_elementwise.py}
 else
     SHAPE=llama3-8b LAYERS=32 BATCHES=1,32,128 DECODE="--decode-context 512 --decode-steps 64"
     KSPEED="--dtype fp16" E2E_SHAPE=llama3-8b
-    BENCH="--input-len 128 --output-len 64" C1_PROMPTS=8 C32_PROMPTS=64
+    BENCH="--input-len 128 --output-len 64" C1_PROMPTS=8 C32_PROMPTS=64 KV=4GiB
     KERNEL_TESTS=${GPU_CHECK_KERNEL_TESTS:-tests/kernels}
 fi
 
@@ -132,13 +132,13 @@ end_to_end() {
     for c in 1 32; do
         n=$C1_PROMPTS; [ "$c" = 32 ] && n=$C32_PROMPTS
         llmopt bench --server "$WORK/w4a16" --server-timeout 60 \
-            --serve-args "--device $DEVICE --max-num-seqs 32 --kv-cache-memory 4GiB" \
+            --serve-args "--device $DEVICE --max-num-seqs 32 --kv-cache-memory $KV" \
             --dataset random $BENCH --ignore-eos --num-prompts "$n" --max-concurrency "$c" --request-rate inf \
             --seed 0 --quiet --json "$REPORTS/bench-c$c.json"
     done
 }
 
-export PY DEVICE SHAPE LAYERS BATCHES DECODE E2E_SHAPE BENCH C1_PROMPTS C32_PROMPTS REPORTS WORK
+export PY DEVICE SHAPE LAYERS BATCHES DECODE E2E_SHAPE BENCH C1_PROMPTS C32_PROMPTS KV REPORTS WORK
 export -f llmopt engine end_to_end
 {
     echo "== setup ($SECONDS s so far)"

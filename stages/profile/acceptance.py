@@ -84,7 +84,8 @@ def kernel_rows(report: dict | None) -> list[dict]:
         limit = BARS[f"{scheme}_m{m}_{what}"]
         bar = f">= {limit:.0%} of copy bandwidth" if what == "share" else f">= {limit:g}x dense"
         shape = f" {wide['k']}x{wide['n']}" if wide else ""
-        check = f"{scheme.upper()} M={m}{shape}: {'share of copy bandwidth' if what == 'share' else 'speed-up over dense'}"
+        measure = "share of copy bandwidth" if what == "share" else "speed-up over dense"
+        check = f"{scheme.upper()} M={m}{shape}: {measure}"
         if wide is None:
             rows.append(missing(check, bar, REPORTS["kernels"]))
             continue
@@ -162,7 +163,8 @@ def run_acceptance(folder: str) -> dict:
 
 
 def acceptance_tables(report: dict) -> list[TableData]:
-    t = TableData("acceptance", f"GPU check against its bars ({report['folder']})", ["check", "bar", "measured", "result"])
+    t = TableData("acceptance", f"GPU check against its bars ({report['folder']})",
+                  ["check", "bar", "measured", "result"])
     t.rows = [[r["check"], r["bar"], r["value"], r["status"]] for r in report["rows"]]
     failed = sum(r["status"] == FAIL for r in report["rows"])
     t.note = "PASSED" if report["passed"] else f"FAILED: {failed} of {len(report['rows'])} rows"

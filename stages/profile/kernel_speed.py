@@ -61,8 +61,10 @@ def matmuls(n: int, k: int, device: torch.device, dtype: torch.dtype) -> tuple[d
     q8 = torch.randint(-127, 128, (n, k), generator=g, device=device, dtype=torch.int8)
     s_group = (torch.rand(n, k // group, generator=g, device=device) * 0.01).to(dtype)
     s_channel = (torch.rand(n, 1, generator=g, device=device) * 0.01).to(dtype)
-    calls = {"dense": lambda x: F.linear(x, dense), "w4a16": lambda x: w4a16_matmul(x, packed, s_group, None, group),
-             "w8a16": lambda x: w8a16_matmul(x, q8, s_group, None, group), "w8a8": lambda x: w8a8_matmul(x, q8, s_channel)}
+    calls = {"dense": lambda x: F.linear(x, dense),
+             "w4a16": lambda x: w4a16_matmul(x, packed, s_group, None, group),
+             "w8a16": lambda x: w8a16_matmul(x, q8, s_group, None, group),
+             "w8a8": lambda x: w8a8_matmul(x, q8, s_channel)}
     nbytes = {"dense": dense.nbytes, "w4a16": packed.nbytes + s_group.nbytes, "w8a16": q8.nbytes + s_group.nbytes,
               "w8a8": q8.nbytes + s_channel.nbytes}
     return calls, nbytes
@@ -128,7 +130,8 @@ def kernel_speed_tables(report: dict) -> list[TableData]:
                   ["K x N", "M", "dense us", "w4a16", "w8a16", "w8a8"])
     for r in report["matmuls"]:
         cells = [f"{r['us'][s]:.1f} ({r['speedup'][s]:.2f}x, {r['share'][s]:.0%})" for s in SCHEMES[1:]]
-        t.rows.append([f"{r['k']}x{r['n']}", str(r["m"]), f"{r['us']['dense']:.1f} ({r['share']['dense']:.0%})", *cells])
+        dense = f"{r['us']['dense']:.1f} ({r['share']['dense']:.0%})"
+        t.rows.append([f"{r['k']}x{r['n']}", str(r["m"]), dense, *cells])
     a = report["attention"]
     t.note = (f"copy bandwidth {m['copy']['bytes_per_s'] / 1e9:.0f} GB/s (read + written). Paged decode attention, "
               f"batch {a['batch']}, context {a['context']}, {a['heads']}/{a['kv_heads']} heads x {a['head_dim']}, "

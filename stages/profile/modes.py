@@ -16,7 +16,8 @@ def check_sources(sources: list[str], config: ProfileConfig) -> None:
     --kernels."""
     mode = config.mode
     if mode in ("synthetic", "acceptance") and sources:
-        raise ConfigError(f"--{mode} {'builds its own model' if mode == 'synthetic' else 'reads reports'}: give no SOURCE")
+        why = "builds its own model" if mode == "synthetic" else "reads reports"
+        raise ConfigError(f"--{mode} {why}: give no SOURCE")
     if mode in ("soak", "kernels") and len(sources) != 1:
         raise ConfigError(f"--{mode} measures one model: give one SOURCE (got {len(sources)})")
     if mode == "sweep" and not sources:

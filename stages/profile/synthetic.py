@@ -6,10 +6,11 @@ The shape is Llama-3-8B's (hidden 4096, 32 query / 8 KV heads of 128, intermedia
 check in seconds); a WordLevel tokenizer of the same vocabulary. The real runtime, `ModelRunner`
 (paged KV cache; Triton kernels on CUDA) and `LLMEngine` run it: per batch size (--batch-sizes), that
 many greedy requests of --decode-context random prompt tokens and --decode-steps new tokens, EOS
-ignored, prompts prefilled up to PREFILL_TOKENS per step. Reported: the median wall time of the steps in which every sequence decodes (the engine's
-whole step), tokens/s = batch / step, and the bytes such a step must read at least (every weight but
-the embedding table, plus each sequence's cached K/V at its median length) over the step time, as a
-share of the copy bandwidth measured in the same run (machine.py, STREAM convention).
+ignored, prompts prefilled up to PREFILL_TOKENS per step. Reported: the median wall time of the steps
+in which every sequence decodes (the engine's whole step), tokens/s = batch / step, and the bytes such
+a step must read at least (every weight but the embedding table, plus each sequence's cached K/V at its
+median length) over the step time, as a share of the copy bandwidth measured in the same run
+(machine.py, STREAM convention).
 
 With --quantize w4a16 (or w8a16) the random layers are quantized on the device by the quantize stage's
 RTN into the compressed-tensors layout (`stages/synthetic_model.py: quantize_state`, handed in by the
@@ -178,7 +179,8 @@ def run_synthetic(config: ProfileConfig, hooks: StageHooks | None = None, quanti
 
 def weights_label(config_or_report) -> str:
     """', W4A16 RTN' when the layers were quantized, else ''."""
-    scheme = config_or_report.quantize if isinstance(config_or_report, ProfileConfig) else config_or_report.get("quantize")
+    source = config_or_report
+    scheme = source.quantize if isinstance(source, ProfileConfig) else source.get("quantize")
     return f", {scheme.upper()} RTN" if scheme else ""
 
 
