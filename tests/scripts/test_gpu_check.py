@@ -1,7 +1,7 @@
 """scripts/gpu_check.sh in its smoke mode (GPU_CHECK_DEVICE=cpu): every part runs on CPU with tiny shapes
 and leaves its report, and the verdict is the PASS/FAIL table over them. The functional rows pass; the
-speed bars are a GPU's, so some fail here and the script's exit status says so. About 1-2 minutes on 2
-shared cores (one process per part), hence integration."""
+speed bars are a GPU's, so some fail here and the script's exit status says so. 2-3 minutes on 2 shared
+cores (a process per part), hence integration."""
 import json
 import os
 import subprocess
