@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo bench bench-engine bench-kernels fuzz clean
+.PHONY: venv test test-fast demo bench bench-engine bench-kernels fuzz gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -105,6 +105,22 @@ bench-kernels: $(STAMP)
 # LLMOPT_FUZZ_EXAMPLES set, the test also runs the schemathesis CLI's phases (LLMOPT_FUZZ_MAX_TIME s).
 fuzz: $(STAMP)
 	LLMOPT_FUZZ_EXAMPLES=200 $(PY) -m pytest -q -p no:cacheprovider tests/stages/serve/http/test_fuzz.py
+
+# Wheels for the GPU check machine (docs/gpu.md): Python 3.12 on x86_64 with torch, triton and transformers but
+# no package index. Downloaded here into the gitignored .whl/ (the device tool carries it, 64 MiB at most);
+# scripts/gpu_check.sh installs from it, into a scratch folder, what does not import there. The servers' stack
+# with its dependencies; compressed-tensors and gguf without theirs (torch and transformers are on the machine),
+# compressed-tensors' own small ones beside it.
+GPU_WHEELS_PYTHON ?= 3.12
+GPU_WHEELS = fastapi uvicorn pydantic typer rich httpx loguru psutil
+GPU_WHEELS_NO_DEPS = compressed-tensors==0.20.1 gguf
+GPU_WHEELS_FOR = --python-version $(GPU_WHEELS_PYTHON) --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+	--only-binary=:all: -d .whl
+gpu-wheels:
+	rm -rf .whl && mkdir .whl
+	$(PYTHON) -m pip download -q $(GPU_WHEELS_FOR) $(GPU_WHEELS)
+	$(PYTHON) -m pip download -q $(GPU_WHEELS_FOR) --no-deps $(GPU_WHEELS_NO_DEPS)
+	@echo "$$(ls .whl | wc -l) wheels, $$(du -sh .whl | cut -f1) in .whl/"
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

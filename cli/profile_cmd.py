@@ -1,21 +1,24 @@
 """llmopt profile SOURCE [SOURCE ...]: latency, roofline, per-layer/op time, memory and capacity on
 the serve engine's code path, as tables, --json FILE and a self-contained --html FILE; or, instead of
-that sweep, the memory soak (--soak N), one decode step's matmuls (--kernels) or a synthetic model
-(--synthetic SHAPE)."""
+that sweep, the memory soak (--soak N), one decode step's matmuls (--kernels), a synthetic model
+(--synthetic SHAPE: the engine, --kernel-speed, --check-greedy, --save-model DIR) or the GPU check's
+verdict (--acceptance DIR)."""
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from llmopt.stages.profile.config import OPTIONS
+from llmopt.stages.profile.config import OPTIONS, QUANTIZE_SCHEMES
 
 from . import profile_view
 from .options import Backend, BackendOpt, stage_options
 from .ui import note, progress_bar
 
 D = OPTIONS.defaults
+Scheme = Enum("Scheme", {name: name for name in QUANTIZE_SCHEMES}, type=str)
 Sources = Annotated[Optional[list[str]], typer.Argument(help="Model sources (artifact, HF dir, .gguf, alias) to "
                                                              "compare (none with --synthetic).", show_default=False)]
 Ints = Optional[str]
@@ -52,11 +55,23 @@ def run(sources: Sources = None,
         synthetic: Annotated[Optional[str], _opt("--synthetic", "Instead: the engine on random weights of a "
                                                             "shape: llama3-8b | tiny.")] = D.synthetic,
         layers: Annotated[Optional[int], _opt("--layers", "--kernels / --synthetic: decoder layers.")] = D.layers,
+        quantize: Annotated[Optional[Scheme], _opt("--quantize", "--synthetic: RTN-quantize the random layers "
+                                                                 "first.")] = D.quantize,
+        kernel_speed: Annotated[bool, _opt("--kernel-speed", "--synthetic: instead, the quantized matmuls and paged "
+                                                             "attention on its shapes.")] = D.kernel_speed,
+        check_greedy: Annotated[bool, _opt("--check-greedy", "--synthetic: instead, greedy tokens against the CPU "
+                                                             "fp32 path; exit 1 unless equal but at near-ties.")]
+        = D.check_greedy,
+        save_model: Annotated[Optional[str], _opt("--save-model", "--synthetic: instead, write the model with a "
+                                                                  "chat tokenizer as an artifact at DIR.")]
+        = D.save_model,
+        acceptance: Annotated[Optional[str], _opt("--acceptance", "Instead: the GPU check's PASS/FAIL table from "
+                                                                  "its reports in DIR; exit 1 if a row fails.")]
+        = D.acceptance,
         per_layer: Annotated[bool, _opt("--per-layer", "Print every layer's row in the terminal.")] = False) -> None:
     from llmopt.stages.profile.config import ProfileConfig
     from llmopt.stages.profile.html import check_output_path, write_report
     from llmopt.stages.profile.modes import check_sources
-    from llmopt.stages.profile.run import preflight, run_profile
     from llmopt.stages.progress import StageHooks
 
     config = ProfileConfig.from_options(stage_options(locals(), OPTIONS))
@@ -66,6 +81,8 @@ def run(sources: Sources = None,
     check_sources(sources, config)
     if config.mode != "sweep":
         raise typer.Exit(_measure(sources, config, json_file, html_file))
+    from llmopt.stages.profile.run import preflight, run_profile
+
     preflight(sources, config)
     with progress_bar("profile") as update:
         report = run_profile(sources, config, StageHooks(status=note, window=update))
@@ -77,7 +94,8 @@ def run(sources: Sources = None,
 
 
 def _measure(sources: list[str], config, json_file: Optional[Path], html_file: Optional[Path]) -> int:
-    """--soak, --kernels or --synthetic: the exit code (1: the soak failed)."""
+    """--soak, --kernels, --synthetic or --acceptance: the exit code (1: the soak, the greedy check or the
+    acceptance failed)."""
     from llmopt.stages.errors import ConfigError
     from llmopt.stages.profile.html import write_report
     from llmopt.stages.profile.modes import run_measurement, tables
@@ -85,9 +103,32 @@ def _measure(sources: list[str], config, json_file: Optional[Path], html_file: O
 
     if html_file is not None:
         raise ConfigError(f"--html is the sweep's report; --{config.mode} writes --json only")
-    report = run_measurement(sources, config, StageHooks(status=note))
+    if config.task == "save_model":
+        report = _save_model(config)
+    else:
+        report = run_measurement(sources, config, StageHooks(status=note), _quantizer(config))
+        profile_view.print_tables(tables(report))
     write_report(report, json_file)
-    profile_view.print_tables(tables(report))
     if json_file is not None:
         note(f"wrote {json_file}")
     return 0 if report.get("passed", True) else 1
+
+
+def _quantizer(config):
+    """--synthetic --quantize: the quantize stage's RTN, which the profile stage may not import itself."""
+    if config.quantize is None:
+        return None
+    from llmopt.stages.synthetic_model import quantize_state
+
+    return quantize_state
+
+
+def _save_model(config) -> dict:
+    """--synthetic SHAPE --save-model DIR: the model written as an artifact; its path and facts."""
+    from llmopt.stages.synthetic_model import save_model
+
+    report = save_model(config)
+    model = report["model"]
+    note(f"wrote {report['path']}: synthetic {config.synthetic}, {model['num_hidden_layers']} layers, "
+         f"{model['num_parameters']:,} parameters, {model['dtype']}, vocabulary {model['vocab_size']}")
+    return report

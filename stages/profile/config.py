@@ -13,6 +13,7 @@ SYNTHETIC_SHAPES = {  # --synthetic: hidden, intermediate, heads, kv heads, head
     "llama3-8b": (4096, 14336, 32, 8, 128, 128256),
     "tiny": (256, 512, 8, 2, 32, 4096),
 }
+QUANTIZE_SCHEMES = ("w4a16", "w8a16")  # --synthetic --quantize: RTN of the random layers (stages/synthetic_model.py)
 # --quick: about a minute for two sources on a 2-core CPU (the full sweep takes several).
 QUICK = dict(prompt_lens=(128, 512), batch_sizes=(1, 4, 16), context_lens=(128, 1024), decode_context=256,
              repeats=2, decode_steps=6, profile_steps=3, copy_mib=128)
@@ -21,6 +22,12 @@ MODE_PRESETS = {
     "kernels": dict(batch_sizes=(1, 8, 32), repeats=7),  # one decode step's matmuls at these row counts
     # the engine on a synthetic model: batches of 512-token prompts, 64 new tokens each, bf16
     "synthetic": dict(batch_sizes=(1, 32), decode_context=512, decode_steps=64, dtype="bf16"),
+}
+# What --synthetic's other tasks take instead (on top of the synthetic preset).
+TASK_PRESETS = {
+    # matmuls at these row counts, fp16 as cuBLAS is usually compared; paged attention over this context
+    "kernel_speed": dict(batch_sizes=(1, 16, 64), decode_context=2048, dtype="fp16"),
+    "check_greedy": dict(decode_steps=32),  # new tokens per prompt
 }
 
 
@@ -52,6 +59,13 @@ class ProfileConfig(FromOptions):
     kernels: bool = False  # one decode step's matmuls per weight scheme on the source's shapes (matmuls.py)
     synthetic: str | None = None  # a model shape (synthetic.py): the engine on random weights, no files
     layers: int | None = None  # kernels and synthetic: decoder layers (kernels: the model's; synthetic: 4)
+    quantize: str | None = None  # synthetic: RTN-quantize the random layers (w4a16 | w8a16) before the engine runs
+    # --synthetic's other tasks, instead of the engine (at most one): the kernel speed table (kernel_speed.py),
+    # greedy tokens against the CPU fp32 path (greedy.py), or the model written as an artifact to disk
+    kernel_speed: bool = False
+    check_greedy: bool = False
+    save_model: str | None = None
+    acceptance: str | None = None  # a folder of the GPU check's reports: its PASS/FAIL table (acceptance.py)
 
     @classmethod
     def from_values(cls, values: dict) -> "ProfileConfig":
@@ -59,12 +73,18 @@ class ProfileConfig(FromOptions):
         (not None) on top."""
         given = {k: parse_int_list(v, f"--{k.replace('_', '-')}") if k in INT_LISTS else v
                  for k, v in values.items() if k != "quick" and v is not None}
-        return cls(**{**(QUICK if values["quick"] else {}), **MODE_PRESETS.get(mode_of(values), {}), **given})
+        presets = {**MODE_PRESETS.get(mode_of(values), {}), **TASK_PRESETS.get(task_of(values), {})}
+        return cls(**{**(QUICK if values["quick"] else {}), **presets, **given})
 
     @property
     def mode(self) -> str:
-        """What this run measures: sweep (the default), soak, kernels or synthetic."""
+        """What this run measures: sweep (the default), soak, kernels, synthetic or acceptance."""
         return mode_of({name: getattr(self, name) for name in MODES})
+
+    @property
+    def task(self) -> str:
+        """What --synthetic does: engine (the default), kernel_speed, check_greedy or save_model."""
+        return task_of({name: getattr(self, name) for name in TASKS})
 
     @classmethod
     def quick(cls, **overrides) -> "ProfileConfig":
@@ -119,6 +139,19 @@ class ProfileConfig(FromOptions):
             raise ConfigError(f"--max-rss-growth-mib must be positive (got {self.max_rss_growth_mib})")
         if self.synthetic is not None and self.synthetic not in SYNTHETIC_SHAPES:
             raise ConfigError(f"--synthetic {self.synthetic}: choose one of {', '.join(SYNTHETIC_SHAPES)}")
+        self._validate_task()
+
+    def _validate_task(self) -> None:
+        chosen = [flag_name(name) for name in TASKS if getattr(self, name)]
+        if chosen and self.synthetic is None:
+            raise ConfigError(f"{chosen[0]} works on a synthetic model: add --synthetic SHAPE")
+        if len(chosen) > 1:
+            raise ConfigError(f"{' and '.join(chosen)}: give one of them (each replaces the engine run)")
+        if self.quantize is not None:
+            if self.quantize not in QUANTIZE_SCHEMES:
+                raise ConfigError(f"--quantize {self.quantize}: choose one of {', '.join(QUANTIZE_SCHEMES)}")
+            if self.synthetic is None or chosen:
+                raise ConfigError("--quantize applies to the engine run of --synthetic SHAPE only")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,12 +165,22 @@ class ProfileConfig(FromOptions):
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
 
-MODES = ("soak", "kernels", "synthetic")  # each replaces the sweep
+MODES = ("soak", "kernels", "synthetic", "acceptance")  # each replaces the sweep
+TASKS = ("kernel_speed", "check_greedy", "save_model")  # each replaces --synthetic's engine run
 
 
 def mode_of(values) -> str:
     """The first of MODES that `values` (a mapping of option values) turns on, else the sweep."""
     return next((name for name in MODES if values.get(name)), "sweep")
+
+
+def task_of(values) -> str:
+    """The first of TASKS that `values` turns on, else the engine run."""
+    return next((name for name in TASKS if values.get(name)), "engine")
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def parse_int_list(text: str | None, option: str) -> tuple[int, ...] | None:
@@ -167,5 +210,9 @@ OPTIONS = Options(
     Option("soak", int, DEFAULTS.soak, optional=True), Option("soak_in_flight", int, DEFAULTS.soak_in_flight),
     Option("max_rss_growth_mib", float, DEFAULTS.max_rss_growth_mib), Option("kernels", bool, DEFAULTS.kernels),
     Option("synthetic", str, DEFAULTS.synthetic, optional=True), Option("layers", int, DEFAULTS.layers, optional=True),
+    Option("quantize", str, DEFAULTS.quantize, optional=True, choices=QUANTIZE_SCHEMES),
+    Option("kernel_speed", bool, DEFAULTS.kernel_speed), Option("check_greedy", bool, DEFAULTS.check_greedy),
+    Option("save_model", str, DEFAULTS.save_model, optional=True),
+    Option("acceptance", str, DEFAULTS.acceptance, optional=True),
 )
 ProfileConfig.OPTIONS = OPTIONS

@@ -30,18 +30,33 @@ def copy_bandwidth(device: torch.device, mib: int = 256, repeats: int = 7) -> di
     """Bytes per second of `dst.copy_(src)` over a buffer far larger than the caches.
 
     STREAM convention: a copy of N bytes moves 2N (N read + N written). The fastest of `repeats`
-    copies after one warm-up copy (which also faults the pages in): a ceiling, so the best the
-    machine did, which other processes on a shared machine can only lower.
+    copies (on CUDA, of `repeats` averages of 10 copies) after one warm-up copy (which also faults the
+    pages in): a ceiling, so the best the machine did, which other processes on a shared machine can
+    only lower.
     """
     n = mib << 20
     src = torch.ones(n // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    seconds = min(timed(lambda: dst.copy_(src), device) for _ in range(repeats))
+    seconds = min(_copy_seconds(src, dst, device) for _ in range(repeats))
     moved = 2 * src.numel() * src.element_size()
     return {"buffer_bytes": n, "bytes_moved_per_copy": moved, "seconds_best": seconds,
             "bytes_per_s": moved / seconds, "repeats": repeats,
             "convention": "STREAM copy: bytes read + bytes written per second"}
+
+
+def _copy_seconds(src: torch.Tensor, dst: torch.Tensor, device: torch.device, copies: int = 10) -> float:
+    """Seconds of one copy. On CUDA, events around `copies` back-to-back copies: a single copy of a few
+    hundred MiB takes about 100 us there, which a host-side timer's launch and sync would inflate."""
+    if device.type != "cuda":
+        return timed(lambda: dst.copy_(src), device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(copies):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e-3 / copies
 
 
 def gemm_throughput(device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 7) -> float:

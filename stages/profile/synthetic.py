@@ -6,25 +6,40 @@ The shape is Llama-3-8B's (hidden 4096, 32 query / 8 KV heads of 128, intermedia
 check in seconds); a WordLevel tokenizer of the same vocabulary. The real runtime, `ModelRunner`
 (paged KV cache; Triton kernels on CUDA) and `LLMEngine` run it: per batch size (--batch-sizes), that
 many greedy requests of --decode-context random prompt tokens and --decode-steps new tokens, EOS
-ignored. Reported: the median wall time of the steps in which every sequence decodes (the engine's
-whole step), tokens/s = batch / step, and the bytes such a step must read at least (every weight but
-the embedding table, plus each sequence's cached K/V at its median length) over the step time, as a
-share of the copy bandwidth measured in the same run (machine.py, STREAM convention).
+ignored, prompts prefilled up to PREFILL_TOKENS per step. Reported: the median wall time of the steps
+in which every sequence decodes (the engine's whole step), tokens/s = batch / step, and the bytes such
+a step must read at least (every weight but the embedding table, plus each sequence's cached K/V at its
+median length) over the step time, as a share of the copy bandwidth measured in the same run
+(machine.py, STREAM convention).
+
+With --quantize w4a16 (or w8a16) the random layers are quantized on the device by the quantize stage's
+RTN into the compressed-tensors layout (`stages/synthetic_model.py: quantize_state`, handed in by the
+command, since the quantize stage itself reads this package), so the loader builds the same quantized
+modules a `llmopt quantize` artifact gets; the lm_head stays dense, as `llmopt quantize` leaves it.
 """
 from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable, Iterable, Iterator
 
 import torch
 
+from ..errors import ConfigError
 from ..progress import StageHooks
 from .config import SYNTHETIC_SHAPES as SHAPES
 from .config import ProfileConfig
-from .tables import TableData
+from .tables import TableData, human_bytes
 
 DEFAULT_LAYERS = 4
 BLOCK_SIZE = 16
+PREFILL_TOKENS = 8192  # per step: a batch of 128 x 512-token prompts is prefilled in 8 steps, then decodes
+WEIGHT_STD = 0.02
+# (HF-named tensors, model config, scheme) -> (compressed-tensors state, quantization_config)
+Quantizer = Callable[[Iterable[tuple[str, torch.Tensor]], dict, str], tuple[dict, dict]]
+LINEARS = (("self_attn.q_proj", "q", "h"), ("self_attn.k_proj", "kv", "h"), ("self_attn.v_proj", "kv", "h"),
+           ("self_attn.o_proj", "h", "q"), ("mlp.gate_proj", "i", "h"), ("mlp.up_proj", "i", "h"),
+           ("mlp.down_proj", "h", "i"))  # name, rows, columns of each decoder Linear
 
 
 def model_config(shape: str, layers: int) -> dict:
@@ -38,26 +53,31 @@ def model_config(shape: str, layers: int) -> dict:
             "bos_token_id": 0, "eos_token_id": 1}
 
 
-def random_state(config: dict, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """HF-named tensors drawn on the device: N(0, 0.02) matrices, unit norms."""
+def random_tensors(config: dict, device: torch.device, dtype: torch.dtype, std: float = WEIGHT_STD,
+                   seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors drawn on the device one at a time: N(0, std) matrices, unit norms."""
     h, i, v, hd = config["hidden_size"], config["intermediate_size"], config["vocab_size"], config["head_dim"]
-    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-    g = torch.Generator(device=device).manual_seed(0)
+    sizes = {"h": h, "i": i, "q": config["num_attention_heads"] * hd, "kv": config["num_key_value_heads"] * hd}
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def mat(rows: int, cols: int) -> torch.Tensor:
-        return (torch.randn(rows, cols, generator=g, device=device, dtype=torch.float32) * 0.02).to(dtype)
+        return (torch.randn(rows, cols, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
 
-    state = {"model.embed_tokens.weight": mat(v, h), "lm_head.weight": mat(v, h),
-             "model.norm.weight": torch.ones(h, device=device, dtype=dtype)}
+    yield "model.embed_tokens.weight", mat(v, h)
+    yield "lm_head.weight", mat(v, h)
+    yield "model.norm.weight", torch.ones(h, device=device, dtype=dtype)
     for n in range(config["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        for name, rows, cols in (("self_attn.q_proj", q, h), ("self_attn.k_proj", kv, h), ("self_attn.v_proj", kv, h),
-                                 ("self_attn.o_proj", h, q), ("mlp.gate_proj", i, h), ("mlp.up_proj", i, h),
-                                 ("mlp.down_proj", h, i)):
-            state[p + name + ".weight"] = mat(rows, cols)
+        for name, rows, cols in LINEARS:
+            yield p + name + ".weight", mat(sizes[rows], sizes[cols])
         for name in ("input_layernorm", "post_attention_layernorm"):
-            state[p + name + ".weight"] = torch.ones(h, device=device, dtype=dtype)
-    return state
+            yield p + name + ".weight", torch.ones(h, device=device, dtype=dtype)
+
+
+def random_state(config: dict, device: torch.device, dtype: torch.dtype, std: float = WEIGHT_STD,
+                 seed: int = 0) -> dict[str, torch.Tensor]:
+    """`random_tensors` as a state dict."""
+    return dict(random_tensors(config, device, dtype, std, seed))
 
 
 def word_tokenizer(vocab: int):
@@ -71,27 +91,39 @@ def word_tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w1", unk_token="w0")
 
 
-def build(config: dict, profile: ProfileConfig, device: torch.device, dtype: torch.dtype):
-    """(engine, runtime): the serve runtime on random weights, its runner and an LLMEngine."""
+def make_engine(config: dict, state: dict, device: torch.device, dtype: torch.dtype, backend: str, max_seqs: int,
+                max_len: int):
+    """(engine, runtime): the serve runtime on `state` (HF names), its runner with room for `max_seqs`
+    sequences of `max_len` tokens, and an LLMEngine with a word tokenizer (no EOS: requests run to length)."""
     from ..serve.engine.config import EngineConfig
     from ..serve.engine.engine import LLMEngine
     from ..serve.loader import build_runtime
     from ..serve.runner import ModelRunner
 
-    runtime = build_runtime(config, random_state(config, device, dtype), device, dtype, profile.backend)
-    longest = max(profile.batch_sizes)
-    blocks = longest * -(-(profile.decode_context + profile.decode_steps) // BLOCK_SIZE) + 16
+    runtime = build_runtime(config, state, device, dtype, backend)
+    blocks = max_seqs * -(-max_len // BLOCK_SIZE) + 16
     runner = ModelRunner(runtime, blocks, BLOCK_SIZE)
     engine = LLMEngine(runner, word_tokenizer(config["vocab_size"]),
-                       EngineConfig(block_size=BLOCK_SIZE, num_blocks=blocks, max_num_seqs=longest,
-                                    max_num_batched_tokens=max(2048, profile.decode_context),
-                                    enable_prefix_caching=False), eos_token_ids=[])
+                       EngineConfig(block_size=BLOCK_SIZE, num_blocks=blocks, max_num_seqs=max_seqs,
+                                    max_num_batched_tokens=max(PREFILL_TOKENS, max_len), enable_prefix_caching=False),
+                       eos_token_ids=[])
     return engine, runtime
+
+
+def synthetic_state(model: dict, config: ProfileConfig, device: torch.device, dtype: torch.dtype,
+                    quantizer: Quantizer | None) -> tuple[dict, dict]:
+    """(state, model config): random weights on the device, quantized by `quantizer` if --quantize asks."""
+    tensors = random_tensors(model, device, dtype)
+    if config.quantize is None:
+        return dict(tensors), model
+    if quantizer is None:
+        raise ConfigError(f"--quantize {config.quantize}: no quantizer was given to the synthetic run")
+    state, qconfig = quantizer(tensors, model, config.quantize)
+    return state, {**model, "quantization_config": qconfig}
 
 
 def run_batch(engine, batch: int, prompt_len: int, tokens: int, vocab: int, seed: int) -> tuple[float, float, int]:
     """(median decode-step seconds, median context length during those steps, steps timed)."""
-    from ..errors import ConfigError
     from ..serve.engine.config import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
@@ -112,7 +144,7 @@ def run_batch(engine, batch: int, prompt_len: int, tokens: int, vocab: int, seed
     return statistics.median(steps), statistics.median(contexts), len(steps)
 
 
-def run_synthetic(config: ProfileConfig, hooks: StageHooks | None = None) -> dict:
+def run_synthetic(config: ProfileConfig, hooks: StageHooks | None = None, quantizer: Quantizer | None = None) -> dict:
     """The engine on the synthetic model, one row per batch size (see the module docstring)."""
     from ..model_io import parse_dtype
     from .machine import copy_bandwidth, describe
@@ -120,14 +152,16 @@ def run_synthetic(config: ProfileConfig, hooks: StageHooks | None = None) -> dic
     hooks = hooks or StageHooks()
     device, dtype = torch.device(config.device), parse_dtype(config.dtype) or torch.bfloat16
     layers = config.layers or DEFAULT_LAYERS
-    model = model_config(config.synthetic, layers)
     start = time.perf_counter()
-    engine, runtime = build(model, config, device, dtype)
+    state, model = synthetic_state(model_config(config.synthetic, layers), config, device, dtype, quantizer)
+    weights = sum(t.numel() * t.element_size() for n, t in state.items() if not n.startswith("model.embed_tokens"))
+    engine, _ = make_engine(model, state, device, dtype, config.backend, max(config.batch_sizes),
+                            config.decode_context + config.decode_steps)
+    del state
     built = time.perf_counter() - start
     copy = copy_bandwidth(device, config.copy_mib)
-    weights = sum(t.numel() * t.element_size() for n, t in runtime.state_dict().items() if n != "embed_tokens")
     kv_per_token = layers * 2 * model["num_key_value_heads"] * model["head_dim"] * dtype.itemsize
-    hooks.status(f"{config.synthetic} x {layers} layers on {device}: built in {built:.1f} s; "
+    hooks.status(f"{config.synthetic} x {layers} layers{weights_label(config)} on {device}: built in {built:.1f} s; "
                  f"{weights / 1e9:.2f} GB of weights read per step")
     run_batch(engine, 1, 32, 4, model["vocab_size"], seed=99)  # warm-up: kernels compiled, caches touched
     rows = []
@@ -139,17 +173,25 @@ def run_synthetic(config: ProfileConfig, hooks: StageHooks | None = None) -> dic
                      "share": nbytes / step / copy["bytes_per_s"]})
         hooks.status(f"batch {batch}: {step * 1e3:.2f} ms per decode step")
     return {"tool": "llmopt profile --synthetic", "shape": config.synthetic, "layers": layers, "dtype": str(dtype),
-            "machine": {**describe(device), "copy": copy}, "build_seconds": built, "weight_bytes": weights,
-            "rows": rows, "config": config.to_dict()}
+            "quantize": config.quantize, "machine": {**describe(device), "copy": copy}, "build_seconds": built,
+            "weight_bytes": weights, "rows": rows, "config": config.to_dict()}
+
+
+def weights_label(config_or_report) -> str:
+    """', W4A16 RTN' when the layers were quantized, else ''."""
+    source = config_or_report
+    scheme = source.quantize if isinstance(source, ProfileConfig) else source.get("quantize")
+    return f", {scheme.upper()} RTN" if scheme else ""
 
 
 def synthetic_tables(report: dict) -> list[TableData]:
     copy = report["machine"]["copy"]["bytes_per_s"] / 1e9
     t = TableData("synthetic", f"engine decode on synthetic {report['shape']} x {report['layers']} layers, "
-                               f"{report['dtype'].removeprefix('torch.')}, {report['machine']['device']}",
+                               f"{report['dtype'].removeprefix('torch.')}{weights_label(report)}, "
+                               f"{report['machine']['device']}",
                   ["batch", "decode step ms (steps)", "tokens/s", "bytes per step", "GB/s", "share of copy bandwidth"])
     t.rows = [[str(r["batch"]), f"{r['step_ms']:.2f} ({r['steps']})", f"{r['tokens_per_s']:.1f}",
-               f"{r['bytes_per_step'] / 1e9:.2f} GB", f"{r['gb_per_s']:.0f}", f"{r['share']:.0%}"]
+               human_bytes(r["bytes_per_step"]), f"{r['gb_per_s']:.0f}", f"{r['share']:.0%}"]
               for r in report["rows"]]
     t.note = f"copy bandwidth {copy:.0f} GB/s (read + written, best of {report['machine']['copy']['repeats']})"
     return [t]
