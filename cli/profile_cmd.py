@@ -41,6 +41,8 @@ def run(sources: Sources = None,
         device: Annotated[str, _opt("--device", "cpu | cuda")] = D.device,
         dtype: Annotated[Optional[str], _opt("--dtype", "auto | fp32 | bf16 | fp16")] = D.dtype,
         backend: BackendOpt = Backend(D.backend),
+        enforce_eager: Annotated[bool, _opt("--enforce-eager", "--synthetic on CUDA: no CUDA-graph decode (as "
+                                                               "llmopt serve --enforce-eager).")] = D.enforce_eager,
         threads: Annotated[Optional[int], _opt("--threads", "torch threads (default: torch's).")] = D.threads,
         memory_budget: Annotated[Optional[str], _opt("--memory-budget", "Planner: 8GiB, or 0.9 of free.")] = D.memory_budget,
         plan_context: Annotated[Optional[int], _opt("--plan-context", "Planner: tokens per sequence.")] = D.plan_context,

@@ -47,6 +47,7 @@ class ProfileConfig(FromOptions):
     device: str = "cpu"
     dtype: str | None = None  # None keeps the checkpoint's dtype; fp32 | bf16 | fp16
     backend: str = "auto"  # the kernels, as `llmopt serve --backend` picks them
+    enforce_eager: bool = False  # --synthetic: no CUDA-graph decode (as `llmopt serve --enforce-eager`)
     threads: int | None = None  # torch threads; None keeps torch's default
     memory_budget: str | None = None  # planner: bytes ("8GiB") or a fraction of free memory; None: 0.9
     plan_context: int = 2048  # planner: tokens each sequence may hold (prompt + output)
@@ -204,7 +205,7 @@ OPTIONS = Options(
     Option("quick", bool, False), *(Option(name, str, None, optional=True) for name in INT_LISTS),
     *(Option(name, int, None, optional=True) for name in ("decode_context", "decode_steps", "repeats")),
     Option("device", str, DEFAULTS.device), Option("dtype", str, None, optional=True),
-    Option("backend", str, DEFAULTS.backend, choices=BACKENDS),
+    Option("backend", str, DEFAULTS.backend, choices=BACKENDS), Option("enforce_eager", bool, DEFAULTS.enforce_eager),
     Option("threads", int, None, optional=True), Option("memory_budget", str, None, optional=True),
     Option("plan_context", int, None, optional=True), Option("target_tpot_ms", float, None, optional=True),
     Option("soak", int, DEFAULTS.soak, optional=True), Option("soak_in_flight", int, DEFAULTS.soak_in_flight),

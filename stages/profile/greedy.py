@@ -52,12 +52,12 @@ def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def greedy(model: dict, state: dict, device: torch.device, dtype: torch.dtype, backend: str, ids: list[list[int]],
-           steps: int, top: int | None):
+           steps: int, top: int | None, enforce_eager: bool = False):
     """The engine's final outputs for every prompt, submitted together."""
     from ..serve.engine.config import SamplingParams
     from .synthetic import make_engine
 
-    engine, _ = make_engine(model, state, device, dtype, backend, len(ids), max(map(len, ids)) + steps)
+    engine, _ = make_engine(model, state, device, dtype, backend, len(ids), max(map(len, ids)) + steps, enforce_eager)
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True, logprobs=top)
     return engine.generate(ids, params)
 
@@ -76,7 +76,8 @@ def run_greedy_check(config: ProfileConfig, hooks: StageHooks | None = None) -> 
     hooks.status(f"reference: {len(ids)} prompts x {steps} greedy tokens on cpu, float32")
     reference = greedy(model, state, torch.device("cpu"), torch.float32, "auto", ids, steps, top=2)
     hooks.status(f"candidate: the same on {device}, {str(dtype).removeprefix('torch.')}, backend {config.backend}")
-    candidate = greedy(model, state, device, dtype, config.backend, ids, steps, top=None)
+    candidate = greedy(model, state, device, dtype, config.backend, ids, steps, top=None,
+                       enforce_eager=config.enforce_eager)
     margin = NEAR_TIE.get(dtype, NEAR_TIE[torch.bfloat16])
     rows = []
     for ref, out in zip(reference, candidate):

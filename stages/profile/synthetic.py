@@ -92,9 +92,11 @@ def word_tokenizer(vocab: int):
 
 
 def make_engine(config: dict, state: dict, device: torch.device, dtype: torch.dtype, backend: str, max_seqs: int,
-                max_len: int):
+                max_len: int, enforce_eager: bool = False):
     """(engine, runtime): the serve runtime on `state` (HF names), its runner with room for `max_seqs`
-    sequences of `max_len` tokens, and an LLMEngine with a word tokenizer (no EOS: requests run to length)."""
+    sequences of `max_len` tokens, and an LLMEngine with a word tokenizer (no EOS: requests run to length).
+    Decode steps are captured in CUDA graphs where `llmopt serve` would capture them, unless `enforce_eager`."""
+    from ..serve.cuda_graphs import graph_batch_sizes, graphs_apply
     from ..serve.engine.config import EngineConfig
     from ..serve.engine.engine import LLMEngine
     from ..serve.loader import build_runtime
@@ -103,6 +105,8 @@ def make_engine(config: dict, state: dict, device: torch.device, dtype: torch.dt
     runtime = build_runtime(config, state, device, dtype, backend)
     blocks = max_seqs * -(-max_len // BLOCK_SIZE) + 16
     runner = ModelRunner(runtime, blocks, BLOCK_SIZE)
+    if not enforce_eager and graphs_apply(runtime):
+        runner.capture_decode_graphs(graph_batch_sizes(max_seqs))
     engine = LLMEngine(runner, word_tokenizer(config["vocab_size"]),
                        EngineConfig(block_size=BLOCK_SIZE, num_blocks=blocks, max_num_seqs=max_seqs,
                                     max_num_batched_tokens=max(PREFILL_TOKENS, max_len), enable_prefix_caching=False),
@@ -156,7 +160,7 @@ def run_synthetic(config: ProfileConfig, hooks: StageHooks | None = None, quanti
     state, model = synthetic_state(model_config(config.synthetic, layers), config, device, dtype, quantizer)
     weights = sum(t.numel() * t.element_size() for n, t in state.items() if not n.startswith("model.embed_tokens"))
     engine, _ = make_engine(model, state, device, dtype, config.backend, max(config.batch_sizes),
-                            config.decode_context + config.decode_steps)
+                            config.decode_context + config.decode_steps, config.enforce_eager)
     del state
     built = time.perf_counter() - start
     copy = copy_bandwidth(device, config.copy_mib)
@@ -174,6 +178,7 @@ def run_synthetic(config: ProfileConfig, hooks: StageHooks | None = None, quanti
         hooks.status(f"batch {batch}: {step * 1e3:.2f} ms per decode step")
     return {"tool": "llmopt profile --synthetic", "shape": config.synthetic, "layers": layers, "dtype": str(dtype),
             "quantize": config.quantize, "machine": {**describe(device), "copy": copy}, "build_seconds": built,
+            "cuda_graphs": engine.runner.graphs.sizes if engine.runner.graphs is not None else None,
             "weight_bytes": weights, "rows": rows, "config": config.to_dict()}
 
 
@@ -193,5 +198,7 @@ def synthetic_tables(report: dict) -> list[TableData]:
     t.rows = [[str(r["batch"]), f"{r['step_ms']:.2f} ({r['steps']})", f"{r['tokens_per_s']:.1f}",
                human_bytes(r["bytes_per_step"]), f"{r['gb_per_s']:.0f}", f"{r['share']:.0%}"]
               for r in report["rows"]]
-    t.note = f"copy bandwidth {copy:.0f} GB/s (read + written, best of {report['machine']['copy']['repeats']})"
+    graphs = report.get("cuda_graphs")
+    t.note = (f"copy bandwidth {copy:.0f} GB/s (read + written, best of {report['machine']['copy']['repeats']}); "
+              + (f"decode in CUDA graphs (batch buckets {', '.join(map(str, graphs))})" if graphs else "eager decode"))
     return [t]
