@@ -248,31 +248,34 @@ class GemvPlan:
     split: int  # programs along K (fp32 atomics when > 1)
     kw_per_slice: int  # words per row per slice
     programs: int  # programs along N
+    num_stages: int  # software-pipeline depth
 
     @property
     def kw_per_split(self) -> int:
         return self.kw_per_slice * self.stack
 
-    @property
-    def num_stages(self) -> int:
-        """Pipeline depth: the x tile grows with the stack; ELEMENT also pipelines its per-column gathers."""
-        return 2 if self.groups == ELEMENT else GEMV_STAGES[self.stack]
+
+def gathers_columns(mode: int, bytewise: bool) -> bool:
+    """Scales (and zeros) gathered per input column: ELEMENT, or groups of a weight read byte by byte. Those
+    gathers are pipelined through shared memory like the weight, so such kernels take half-size steps."""
+    return mode == ELEMENT or (bytewise and mode == WORD)
 
 
 def plan_gemv(n: int, k: int, bits: int, group_size: int, groups: int, sm_count: int | None,
-              split_k: int | None = None, max_stack: int = 4) -> GemvPlan:
+              split_k: int | None = None, max_stack: int = 4, bytewise: bool = False) -> GemvPlan:
     """Step, group mode, stacking and split for an [N, K] weight; `sm_count` None (CPU): neither.
 
-    Steps of 128 input columns (64 for ELEMENT). While the row blocks number fewer than two per SM,
-    stack K slices (2, then up to `max_stack`); then, while SMs are idle, split K across programs
-    (doubling). Every slice keeps at least two steps. `split_k` forces the split (no stacking).
+    Steps of 128 input columns (64 when `gathers_columns`). While the row blocks number fewer than
+    two per SM, stack K slices (2, then up to `max_stack`); then, while SMs are idle, split K across
+    programs (doubling). Every slice keeps at least two steps. `split_k` forces the split (no
+    stacking); `bytewise`: a W8 weight read byte by byte.
     """
     vals = 32 // bits
     kw = cdiv(k, vals)
     block_kw = 128 // vals
     mode, group_words = group_mode(groups, group_size, bits, block_kw)
-    if mode == ELEMENT:
-        block_kw //= 2
+    gathers = gathers_columns(mode, bytewise)
+    block_kw //= 2 if gathers else 1
     align = group_words if mode == STEP else block_kw  # slices start on a group boundary when scaled per step
     steps = cdiv(kw, block_kw)
     stack, split = 1, split_k or 1
@@ -283,7 +286,8 @@ def plan_gemv(n: int, k: int, bits: int, group_size: int, groups: int, sm_count:
             split *= 2
     kw_per_slice = cdiv(cdiv(kw, split * stack), align) * align
     split = cdiv(kw, kw_per_slice * stack)
-    return GemvPlan(block_kw, mode, group_words, stack, split, kw_per_slice, cdiv(n, BLOCK_N // stack))
+    stages = 2 if gathers else GEMV_STAGES[stack]
+    return GemvPlan(block_kw, mode, group_words, stack, split, kw_per_slice, cdiv(n, BLOCK_N // stack), stages)
 
 
 @functools.lru_cache(maxsize=None)
@@ -317,7 +321,8 @@ def wq_gemv(x2, weight, scale, zero_point, n, group_size, bits, split_k=None, sm
     words = weight if bits == 4 else as_words(weight)
     w = words if words is not None else weight
     plan = plan_gemv(n, k, bits, group_size, scale.shape[1], sms if sms is not None else sm_count(x2.device),
-                     split_k, max_stack=2 if x2.dtype == torch.float32 else 4)  # fp32's FMA dot spills at 4
+                     split_k, max_stack=2 if x2.dtype == torch.float32 else 4,  # fp32's FMA dot spills at 4
+                     bytewise=words is None)
     out = (torch.zeros(m, n, dtype=torch.float32, device=x2.device) if plan.split > 1
            else torch.empty(m, n, dtype=x2.dtype, device=x2.device))
     zp = zero_point if zero_point is not None else scale

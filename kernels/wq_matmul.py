@@ -28,8 +28,8 @@ import sys
 import torch
 
 from ._backend import cdiv, check, jit, launchable, pick_backend, tl
-from .wq_gemv import (GEMV_MAX_M, ONE, STEP, as_words, group_mode, group_params, sm_count, weight_tile,
-                      wq_gemv)
+from .wq_gemv import (GEMV_MAX_M, ONE, STEP, as_words, gathers_columns, group_mode, group_params, sm_count,
+                      weight_tile, wq_gemv)
 
 
 @jit
@@ -210,6 +210,8 @@ def _launch(x, w, scale, zp, n, group_size, bits, split_k):
     wk = words if words is not None else w
     block_m, block_n, block_kw, warps, stages = tile_config(m, bits, x.dtype)
     mode, group_words = group_mode(scale.shape[1], group_size, bits, block_kw)
+    if gathers_columns(mode, words is None):  # per-column scale gathers are pipelined too: halve the step
+        block_kw, stages = block_kw // 2, 2
     kw = cdiv(k, 32 // bits)
     tiles = cdiv(m, block_m) * cdiv(n, block_n)
     split_k = split_k or choose_split_k(tiles, cdiv(kw, block_kw), sm_count(x.device))

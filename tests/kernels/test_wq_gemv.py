@@ -97,7 +97,9 @@ def test_plan_modes_and_cpu():
     assert plan_gemv(64, 4096, 4, 64, 64, None).groups == WORD  # 8 words a group, 16 a step
     assert plan_gemv(64, 4096, 8, 128, 32, None).groups == STEP  # W8: 32 words a group and a step
     element = plan_gemv(64, 100, 4, 20, 5, None)
-    assert element.groups == ELEMENT and element.block_kw == 8
+    assert (element.groups, element.block_kw, element.num_stages) == (ELEMENT, 8, 2)  # half steps for the gathers
+    bytewise = plan_gemv(64, 4098, 8, 32, 129, None, bytewise=True)  # int8 rows that are not whole words
+    assert (bytewise.groups, bytewise.block_kw, bytewise.num_stages) == (WORD, 16, 2)
     assert plan_gemv(64, 256, 4, 128, 2, H200_SMS).stack == 1  # two steps: nothing to stack
     assert plan_gemv(64, 330, 4, 64, 6, None, split_k=3).split == 3
 
