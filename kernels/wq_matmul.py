@@ -196,11 +196,16 @@ def tile_config(m: int, bits: int, dtype: torch.dtype) -> tuple[int, int, int, i
     return 64, 128, 128 // vals, 8, 3
 
 
+def _unit_stride(t):
+    """The kernels step along the last dim by one element (x's K, a weight row, a scale row)."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def _launch(x, w, scale, zp, n, group_size, bits, split_k):
     k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _unit_stride(x.reshape(-1, k))
+    w, zp = _unit_stride(w), _unit_stride(zp)
+    scale = _unit_stride(scale.reshape(n, -1))  # [N] (channel-wise) -> [N, 1]
     m = x2.shape[0]
     if m == 0:
         return torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
@@ -246,7 +251,7 @@ def w4a16_matmul(x, weight_packed, weight_scale, weight_zero_point=None, group_s
           f"{weight_packed.dtype} {tuple(weight_packed.shape)}")
     group_size = resolve_group_size(k, weight_scale, group_size)
     if weight_zero_point is not None:
-        check(weight_zero_point.shape == (cdiv(n, 8), weight_scale.shape[1]),
+        check(weight_zero_point.shape == (cdiv(n, 8), weight_scale.reshape(n, -1).shape[1]),
               "w4a16: weight_zero_point must be int32 [ceil(N/8), G] (packed along N)")
     if pick_backend(x, backend) == "torch":
         return w4a16_matmul_ref(x, weight_packed, weight_scale, weight_zero_point, group_size)
@@ -262,4 +267,4 @@ def w8a16_matmul(x, weight, weight_scale, weight_zero_point=None, group_size=Non
         check(weight_zero_point.shape == weight_scale.shape, "w8a16: weight_zero_point must match weight_scale")
     if pick_backend(x, backend) == "torch":
         return w8a16_matmul_ref(x, weight, weight_scale, weight_zero_point, group_size)
-    return _launch(x, weight.contiguous(), weight_scale, weight_zero_point, weight.shape[0], group_size, 8, split_k)
+    return _launch(x, weight, weight_scale, weight_zero_point, weight.shape[0], group_size, 8, split_k)

@@ -84,7 +84,8 @@ def test_plan_fills_an_h200():
     assert (plan.groups, plan.block_kw, plan.stack, plan.split, plan.programs) == (STEP, 16, 2, 1, 448)
     assert plan.kw_per_slice == 256 and plan.kw_per_slice % plan.group_words == 0  # slices start on a group
     # q/o projections stack 4 slices; the 1024-row k/v projections also split K (fp32 atomics).
-    assert (plan_gemv(4096, 4096, 4, 128, 32, H200_SMS).stack, plan_gemv(4096, 4096, 4, 128, 32, H200_SMS).split) == (4, 1)
+    square = plan_gemv(4096, 4096, 4, 128, 32, H200_SMS)
+    assert (square.stack, square.split) == (4, 1)
     small = plan_gemv(1024, 4096, 4, 128, 32, H200_SMS)
     assert (small.stack, small.split, small.programs * small.split) == (4, 4, 256)
     assert plan_gemv(1024, 4096, 4, 128, 32, H200_SMS, max_stack=2).stack == 2  # fp32's cap
@@ -169,3 +170,18 @@ def test_sm90_build_streams_words_with_16_byte_copies():
     assert not re.search(r"ld\.global(\.nc)?\.(v\d\.)?b32", done.stdout)  # the words come only by cp.async
     assert "wgmma.mma_async" in done.stdout
     assert ".local" not in done.stdout
+
+
+@requires_triton
+@pytest.mark.parametrize("m", [2, 20])
+def test_strided_weights_and_1d_scales(m):
+    """Transposed copies (last-dim stride != 1) and channel-wise scales given as [N] reach the kernels right."""
+    packed, scale, zero = _int4(24, 64, None, False, "cpu")
+    x = torch.randn(64, m).t()  # [m, 64], K not contiguous
+    expected = w4a16_matmul(x, packed, scale, zero, backend="torch")
+    y = w4a16_matmul(x, packed.t().contiguous().t(), scale.reshape(-1), zero.t().contiguous().t(), backend="triton")
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+    codes, s8, z8 = _int8(24, 64, 32, False, "cpu")
+    expected = w8a16_matmul(x, codes, s8, z8, 32, backend="torch")
+    y = w8a16_matmul(x, codes.t().contiguous().t(), s8.t().contiguous().t(), z8, 32, backend="triton")
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
