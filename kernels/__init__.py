@@ -32,6 +32,9 @@ one group per output channel, None: inferred from the scales)
         weight_scale [N, G], weight_zero_point int32 [ceil(N/8), G] packed along N, stored zp+8.
     w8a16_matmul(x, weight, weight_scale, weight_zero_point=None, group_size=None, backend=None)
         weight int8 [N, K]; weight_scale [N, G]; weight_zero_point int8 [N, G].
+        On "triton" both run the decode GEMV (`wq_gemv`: weight streamed as the dot's A operand, 16-byte
+        cp.async, K slices stacked / split from the SM count, `plan_gemv`) for up to 16 rows of x, the
+        tiled kernel above; both read each packed word once.
     w8a8_matmul(x, weight, weight_scale, backend=None)     int8 [N, K] x per-token int8 activations
     quantize_per_token(x, backend=None) -> (int8 [M, K], fp32 scale [M])
     dequantize(q, weight_scale, zero=None, group_size=None, dtype=fp32) -> (q - zero) * scale [N, K]: the one
