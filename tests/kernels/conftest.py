@@ -5,9 +5,10 @@ On a machine without CUDA, Triton can only run interpreted. We set TRITON_INTERP
 already imported triton without it, `llmopt.kernels._backend` still runs CPU launches through
 the interpreter (see `_interpreter_compat`), so the result does not depend on test order.
 
-With CUDA, this process runs only the CUDA cases (compiled launches); every other test of this folder is
-deselected here and run by `test_compile.py::test_interpreted_cases_in_their_own_process` in a subprocess with
-TRITON_INTERPRET=1 and CUDA hidden (see `helpers.runs_in_this_process`).
+With CUDA, this process runs only the CUDA cases (compiled launches: the cuda `device_dtype` cases, and tests
+that say "cuda" in their name); every other test of this folder is deselected here and run by
+`test_compile.py::test_interpreted_cases_in_their_own_process` in a subprocess with TRITON_INTERPRET=1 and CUDA
+hidden (see `helpers.runs_in_this_process`).
 """
 import os
 from pathlib import Path

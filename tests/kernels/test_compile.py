@@ -176,16 +176,21 @@ def test_interpreted_and_compiled_launches_never_share_a_process(first, then, in
         assert refusal.startswith(expected), done.stdout
 
 
-def _item(device=None, marked=False):
+def _item(name, device=None, marked=False):
     params = {} if device is None else {"device_dtype": (device, torch.float32)}
-    return SimpleNamespace(callspec=SimpleNamespace(params=params) if device else None,
-                           get_closest_marker=lambda name: object() if marked and name == "with_cuda_cases" else None)
+    marker = object() if marked else None
+    return SimpleNamespace(name=name, callspec=SimpleNamespace(params=params) if device else None,
+                           get_closest_marker=lambda which: marker if which == "with_cuda_cases" else None)
 
 
 def test_with_cuda_this_process_keeps_only_the_cuda_cases():
-    assert all(runs_in_this_process(_item(d), cuda=False) for d in (None, "cpu", "cuda"))
-    assert runs_in_this_process(_item("cuda"), cuda=True) and runs_in_this_process(_item(marked=True), cuda=True)
-    assert not runs_in_this_process(_item("cpu"), cuda=True) and not runs_in_this_process(_item(), cuda=True)
+    here = [_item("test_norm[cuda-float16]", "cuda"), _item("test_modules_on_cuda_run_triton[float16]"),
+            _item("test_in_a_subprocess", marked=True)]
+    elsewhere = [_item("test_norm[cpu-float32]", "cpu"), _item("test_cuda_named_but[cpu-float32]", "cpu"),
+                 _item("test_backends_by_name")]
+    assert all(runs_in_this_process(item, cuda=False) for item in here + elsewhere)
+    assert all(runs_in_this_process(item, cuda=True) for item in here)
+    assert not any(runs_in_this_process(item, cuda=True) for item in elsewhere)
 
 
 @pytest.mark.with_cuda_cases
