@@ -4,10 +4,11 @@ machine (Triton compiles for a GPU it does not have; it only cannot launch there
 No configuration is listed here. `record_launches` (`launch_recording`) runs the public ops on a simulated GPU
 (fake CUDA tensors: shapes, no data; `torch.cuda.get_device_properties` answers for the simulated card), where a
 launch records what it would compile (kernel, argument types, the ints it passes, constexprs, launch options)
-instead of running. `sweep` drives every op that launches Triton over representative shapes and dtypes and keeps one launch per
-distinct specialization; `compile_launch` builds a launch as the JIT would (Triton's own binder computes the
-signature, the specialized ints and pointer alignments) for an architecture and reads its resources back from
-the PTX and the cubin.
+instead of running. `sweep` drives every op that launches Triton over representative shapes and dtypes and keeps
+one launch per configuration (`config_key`), `cover` a pairwise covering subset of them if asked; `compile_launch`
+builds a launch as the JIT would (Triton's own binder computes the signature, the specialized ints and pointer
+alignments) for an architecture and reads its resources back from the PTX and the cubin: registers, local memory
+(ptxas' stack frame: spills), shared memory against the card's limit.
 
     python -m llmopt.kernels.compile_check [--arch 90 80] [--jobs N] [--cover T] [--full] [--json PATH] [--list]
 
@@ -136,14 +137,17 @@ def sweep(gpu: SimulatedGPU = GPUS[90], full: bool = False) -> list[Launch]:
     """The launches of every op that launches Triton, over representative shapes in fp16, bf16 and fp32 on the
     simulated `gpu`: the first of each configuration (`config_key`)."""
     ops = importlib.import_module(__package__)  # the public ops, as callers reach them
-    where = [""]
-    with record_launches(gpu, where) as launches:
+    with record_launches(gpu) as launches:
+
+        def note(text):  # what the launches that follow come from
+            launches.source = f"{text} dtype={str(dtype)[6:]} on {gpu.name}"
+
         try:
             for dtype in DTYPES:
                 for part in SWEEPS:
-                    part(ops, dtype, lambda text: where.__setitem__(0, f"{text} dtype={str(dtype)[6:]} on {gpu.name}"))
+                    part(ops, dtype, note)
         except Exception as e:
-            raise RuntimeError(f"compile_check.sweep: {where[0]}: {type(e).__name__}: {e}") from e
+            raise RuntimeError(f"compile_check.sweep: {launches.source}: {type(e).__name__}: {e}") from e
     unique: dict[str, Launch] = {}
     for launch in launches:
         unique.setdefault(config_key(launch, full), launch)
@@ -274,21 +278,20 @@ def compile_launch(launch: Launch, arch: int) -> Compiled:
     from triton.compiler import ASTSource
 
     start = _cpu_seconds()
-    fn, backend, bound, specialization, options = _bind(launch, arch)
-    kwargs = dict(launch.kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    config, sig = _describe(fn, specialization, constexprs, attrs)
-    launch_options = {k: v for k, v in kwargs.items() if k not in signature}
-    if launch_options:
-        config += ", " + ", ".join(f"{k}={v}" for k, v in launch_options.items())
-    done = Compiled(launch.name, arch, config, sig, launch.source,
-                    shared_limit=GPUS[arch].shared_memory_per_block_optin)
+    done = Compiled(launch.name, arch, "", "", launch.source, shared_limit=GPUS[arch].shared_memory_per_block_optin)
     try:
+        fn, backend, bound, specialization, options = _bind(launch, arch)
+        kwargs = dict(launch.kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+        done.config, done.signature = _describe(fn, specialization, constexprs, attrs)
+        launch_options = {k: v for k, v in kwargs.items() if k not in signature}  # num_warps, num_stages, ...
+        done.config += "".join(f", {k}={v}" for k, v in launch_options.items())
         kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                                 options=options.__dict__)
         usage = _resources(kernel.asm["cubin"])
     except Exception as e:  # noqa: BLE001 - a failed build is the result, reported by the caller
-        done.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        lines = str(e).strip().splitlines() or [""]
+        done.error = f"{type(e).__name__}: {lines[0]}" + (f" ... {lines[-1]}" if len(lines) > 1 else "")
     else:
         done.ok = True
         done.registers, done.local_bytes = usage["REG"], max(usage["LOCAL"], usage.get("STACK", 0))
@@ -336,7 +339,8 @@ def summary(results: list[Compiled]) -> list[dict]:
     for r in results:
         row = rows.setdefault((r.kernel, r.arch), {"kernel": r.kernel, "arch": r.arch, "configs": 0, "failed": 0,
                                                    "max_registers": 0, "max_local_bytes": 0, "max_shared_bytes": 0,
-                                                   "over_shared": 0, "ptx_local": 0, "cpu_seconds": 0.0})
+                                                   "over_shared": 0, "spilling": 0, "ptx_local": 0,
+                                                   "cpu_seconds": 0.0})
         row["configs"] += 1
         row["failed"] += not r.ok
         row["max_registers"] = max(row["max_registers"], r.registers)
@@ -344,6 +348,7 @@ def summary(results: list[Compiled]) -> list[dict]:
         row["max_shared_bytes"] = max(row["max_shared_bytes"], r.shared_bytes)
         row["ptx_local"] += r.ptx_local
         row["over_shared"] += r.shared_bytes > r.shared_limit
+        row["spilling"] += r.local_bytes > 0
         row["cpu_seconds"] = round(row["cpu_seconds"] + r.cpu_seconds, 2)
     return list(rows.values())
 
@@ -374,9 +379,9 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - start
     missed = sorted({kernel.split(":")[1] for kernel in all_kernels()} - {r.kernel for r in results})
     for row in summary(results):
-        print("{kernel:24} sm_{arch}  {configs:3} configs  {failed} failed  registers <= {max_registers:3}  local "
-              "<= {max_local_bytes}  shared <= {max_shared_bytes:6} ({over_shared} over the limit)  cpu {cpu_seconds}s"
-              .format(**row))
+        print("{kernel:24} sm_{arch}  {configs:3} configs  {failed} failed  registers <= {max_registers:3}  "
+              "local <= {max_local_bytes:5} ({spilling} spill)  shared <= {max_shared_bytes:6} ({over_shared} over "
+              "the limit)  cpu {cpu_seconds}s".format(**row))
     for r in results:
         if not r.ok:
             print(f"FAILED {r.kernel} sm_{r.arch} [{r.config}] from {r.source}: {r.error}")

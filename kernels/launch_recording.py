@@ -26,10 +26,6 @@ class SimulatedGPU:
     total_memory: int
     warp_size: int = 32
 
-    @property
-    def arch(self) -> int:
-        return 10 * self.major + self.minor
-
 
 GPUS = {
     90: SimulatedGPU("NVIDIA H100 80GB HBM3", 9, 0, 132, 232448, 80 * 2**30),
@@ -110,7 +106,8 @@ class _MetaFallback(TorchFunctionMode):
             return torch.device("meta") if isinstance(t, torch.device) and t.type == "cuda" else t
 
         def to_cuda(t):
-            return FakeTensor(self.fake_mode, t, torch.device("cuda", 0)) if isinstance(t, torch.Tensor) else t
+            meta = isinstance(t, torch.Tensor) and t.device.type == "meta"
+            return FakeTensor(self.fake_mode, t, torch.device("cuda", 0)) if meta else t
 
         try:
             with unset_fake_temporarily():
@@ -120,21 +117,25 @@ class _MetaFallback(TorchFunctionMode):
         return tree_map(to_cuda, out)
 
 
+class Recording(list):
+    """The launches recorded so far, in order; `source` is stored with the ones that follow (what made them)."""
+
+    source = ""
+
+
 @contextlib.contextmanager
-def record_launches(gpu: SimulatedGPU = GPUS[90], source: list | None = None):
+def record_launches(gpu: SimulatedGPU = GPUS[90]):
     """Inside: tensors made on "cuda" are fake (no data, nothing runs) on the simulated `gpu`, and each Triton
-    launch appends a `Launch` to the yielded list instead of running. `source`: a one-element list whose string
-    is stored with each launch (what made it)."""
+    launch appends a `Launch` to the yielded `Recording` instead of running."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ._backend import recording
 
-    launches: list[Launch] = []
+    launches = Recording()
 
     def record(fn, grid, args, kwargs):
         kw = tuple((k, _abstract(v)) for k, v in kwargs.items())
-        launches.append(Launch(f"{fn.__module__}:{fn.__name__}", tuple(map(_abstract, args)), kw,
-                               source[0] if source else ""))
+        launches.append(Launch(f"{fn.__module__}:{fn.__name__}", tuple(map(_abstract, args)), kw, launches.source))
 
     with _simulated_cuda(gpu), FakeTensorMode() as fake, _MetaFallback(fake), recording(record):
         yield launches
