@@ -23,6 +23,22 @@ def device_dtypes():
     return pairs
 
 
+def runs_in_this_process(item, cuda: bool) -> bool:
+    """Whether a kernel test runs in the pytest process itself. Interpreted and compiled Triton launches never share
+    a process (`llmopt.kernels._backend` refuses the second kind), so with CUDA this process keeps the CUDA cases:
+    the `device_dtype` cases on cuda, and tests without that parameter that say "cuda" in their name (or carry the
+    `with_cuda_cases` marker). The rest (interpreted launches on CPU tensors, and whatever launches nothing) run in
+    a subprocess with CUDA hidden (`test_compile.py::test_interpreted_cases_in_their_own_process`). Without CUDA
+    every test runs here."""
+    if not cuda:
+        return True
+    spec = getattr(item, "callspec", None)
+    device = spec.params.get("device_dtype", (None,))[0] if spec is not None else None
+    if device is not None:
+        return device == "cuda"
+    return "cuda" in item.name.lower() or item.get_closest_marker("with_cuda_cases") is not None
+
+
 def assert_close(actual, expected, dtype, scale=1.0):
     """allclose with the dtype's (atol, rtol); atol scaled by the output's magnitude."""
     atol, rtol = TOLERANCES[dtype]
