@@ -84,8 +84,12 @@ def _defer_to_installed_kernels() -> None:
     root on sys.path, so `import kernels` finds this folder. transformers >= 5.25 imports the PyPI
     `kernels` package (Hugging Face's kernel hub) whenever it is installed; finding ours there breaks
     every transformers import. We install only as `llmopt.kernels`, so a top-level import is never
-    meant for us: load the installed package in our place, or fail as if we were not on the path.
+    meant for us: load the installed package in our place. Where none is installed, the import yields an
+    empty module (no `__file__`, no names): transformers imports `kernels` as soon as `find_spec` sees a
+    folder of that name and does not catch ModuleNotFoundError there, while `from kernels import X` still
+    fails as an import of a missing name, which its optional-dependency guards do catch.
     """
+    import types
     import importlib.machinery
     import importlib.util
     from pathlib import Path
@@ -94,7 +98,8 @@ def _defer_to_installed_kernels() -> None:
     path = [p for p in sys.path if Path(p or ".").resolve() != root]
     spec = importlib.machinery.PathFinder.find_spec("kernels", path)
     if spec is None or spec.loader is None:
-        raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
+        sys.modules["kernels"] = types.ModuleType("kernels", "placeholder: no `kernels` distribution is installed")
+        return
     module = importlib.util.module_from_spec(spec)
     sys.modules["kernels"] = module  # the import statement returns sys.modules["kernels"]
     spec.loader.exec_module(module)

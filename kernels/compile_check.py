@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import inspect
 import itertools
 import json
 import multiprocessing
@@ -181,18 +182,26 @@ def cover(launches: list[Launch], strength: int = 2) -> list[Launch]:
 
 
 def all_kernels() -> list[str]:
-    """Every Triton kernel defined in this package ("module:name"): what the sweep must reach."""
+    """Every Triton kernel defined in this package ("module:name"): what the sweep must reach. A @jit
+    function that another one calls is a device function, compiled into its callers, not launched."""
     import pkgutil
+    import re
 
     from triton.runtime.jit import KernelInterface
 
     package = importlib.import_module(__package__)
-    found = []
+    jitted = {}
     for info in pkgutil.iter_modules(package.__path__):
         module = importlib.import_module(f"{__package__}.{info.name}")
-        found += [f"{module.__name__}:{value.fn.__name__}" for value in vars(module).values()
-                  if isinstance(value, KernelInterface) and value.fn.__module__ == module.__name__]
-    return sorted(found)
+        jitted.update({f"{module.__name__}:{value.fn.__name__}": value for value in vars(module).values()
+                       if isinstance(value, KernelInterface) and value.fn.__module__ == module.__name__})
+    sources = {key: inspect.getsource(value.fn) for key, value in jitted.items()}
+
+    def called(key: str) -> bool:
+        pattern = re.compile(rf"(?<![\w.]){re.escape(key.split(':')[1])}\s*\(")
+        return any(pattern.search(src) for other, src in sources.items() if other != key)
+
+    return sorted(key for key in jitted if not called(key))
 
 
 # ---- compiling a launch as the JIT would ------------------------------------------------------------------------

@@ -106,7 +106,7 @@ def make_engine(config: dict, state: dict, device: torch.device, dtype: torch.dt
     blocks = max_seqs * -(-max_len // BLOCK_SIZE) + 16
     runner = ModelRunner(runtime, blocks, BLOCK_SIZE)
     if not enforce_eager and graphs_apply(runtime):
-        runner.capture_decode_graphs(graph_batch_sizes(max_seqs))
+        runner.try_capture_decode_graphs(graph_batch_sizes(max_seqs))
     engine = LLMEngine(runner, word_tokenizer(config["vocab_size"]),
                        EngineConfig(block_size=BLOCK_SIZE, num_blocks=blocks, max_num_seqs=max_seqs,
                                     max_num_batched_tokens=max(PREFILL_TOKENS, max_len), enable_prefix_caching=False),

@@ -27,7 +27,7 @@ def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None
     runtime, tokenizer, model_config = load_runtime(ref, device, dtype, backend)
     runner = ModelRunner(runtime, _num_blocks(config, runtime.spec, runtime), config.block_size)
     if not config.enforce_eager and graphs_apply(runtime):
-        runner.capture_decode_graphs(graph_batch_sizes(config.seqs_per_step))
+        runner.try_capture_decode_graphs(graph_batch_sizes(config.seqs_per_step))
     return LLMEngine(runner, tokenizer, config, eos_token_ids=eos_token_ids(model_config, tokenizer))
 
 

@@ -142,6 +142,22 @@ class ModelRunner:
         self.graphs = graphs
         return graphs
 
+    def try_capture_decode_graphs(self, sizes: list[int], factory: GraphFactory | None = None) -> bool:
+        """`capture_decode_graphs`, or, where capture fails (a driver or memory error), one warning and eager
+        decode: a server that cannot capture still serves. Returns whether the graphs are in place."""
+        try:
+            self.capture_decode_graphs(sizes, factory)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as error:  # OutOfMemoryError is a RuntimeError too
+            self.graphs = None
+            if self.kv_cache.device.type == "cuda":
+                torch.cuda.synchronize(self.kv_cache.device)
+                torch.cuda.empty_cache()
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            log.warning("CUDA-graph capture failed (%s: %s); decoding eagerly (--enforce-eager skips the attempt)",
+                        type(error).__name__, first)
+            return False
+        return True
+
     @classmethod
     def with_memory(cls, runtime: Runtime, kv_cache_memory, block_size: int = 16, kv_dtype=None) -> "ModelRunner":
         """A runner whose cache fills `kv_cache_memory` (bytes or a fraction of free memory)."""

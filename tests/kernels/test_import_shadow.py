@@ -58,11 +58,6 @@ def test_top_level_kernels_is_never_our_folder(pypi_kernels):
         assert (kind, where.strip()) in {("missing", "kernels"), ("found", "None")}, done.stdout
 
 
-def test_transformers_imports_with_the_root_on_sys_path(request, pypi_kernels):
-    if pypi_kernels is not None:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "kernels/__init__.py raises ModuleNotFoundError when no other `kernels` is installed, but transformers "
-            "imports `kernels` as soon as find_spec finds our folder and does not catch it (5.17 and 5.25 alike): "
-            "_defer_to_installed_kernels must put a module without __file__ in sys.modules instead")))
+def test_transformers_imports_with_the_root_on_sys_path(pypi_kernels):
     done = _run("import transformers.integrations.hub_kernels\n", pypi_kernels)
     assert done.returncode == 0, done.stderr[-2000:]

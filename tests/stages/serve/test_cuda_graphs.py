@@ -96,6 +96,7 @@ def test_replay_equals_eager_for_every_bucket(runtime, batch):
     assert torch.equal(pair.eager.kv_cache, pair.graphed.kv_cache)  # padding rows wrote nothing
 
 
+@pytest.mark.interpreted_triton
 def test_triton_kernels_replay_exactly(model_dir):
     """The kernels the CUDA graphs hold (Triton's, interpreted here) take padding rows as the graphs give
     them (slot -1, context length 1): batch 3 in bucket 4, across a block boundary."""
@@ -271,3 +272,18 @@ def test_real_cuda_graphs_match_eager(model_dir):
         else:
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(eager.kv_cache, graph.kv_cache, atol=1e-5, rtol=1e-5)
+
+
+def test_a_capture_that_fails_leaves_eager_decode_and_one_warning(runtime, caplog):
+    """A driver or memory error during capture (never seen yet, but a server must not die of it): one warning
+    line, no graphs, and the runner still decodes, eagerly."""
+    def failing(forward):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
+
+    runner = ModelRunner(runtime, BLOCKS, BLOCK_SIZE)
+    with caplog.at_level("WARNING", logger="llmopt.serve"):
+        assert runner.try_capture_decode_graphs(SIZES, failing) is False
+    assert runner.graphs is None
+    [record] = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "decoding eagerly" in record.getMessage() and "more detail" not in record.getMessage()
+    assert runner.try_capture_decode_graphs(SIZES, EagerCapture()) and runner.graphs.sizes == SIZES

@@ -194,7 +194,7 @@ def test_spec_reads_both_rope_config_styles():
         spec_from_config({**llama, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
 
-@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.interpreted_triton), "reference"])
 def test_kernel_backends_match_transformers(tmp_path, backend):
     """triton: the CUDA code path (Triton rotary, norm with in-place residual, paged attention, on CPU tensors
     under the interpreter); reference: every op's torch twin."""
