@@ -69,13 +69,17 @@ def _abstract(value):
 @contextlib.contextmanager
 def _simulated_cuda(gpu: SimulatedGPU):
     """`torch.cuda`'s device queries answer for `gpu` (launchers read the SM count, say, to split work)."""
+    from .wq_gemv import device_sm_count
+
     saved = torch.cuda.get_device_properties, torch.cuda.get_device_capability
     torch.cuda.get_device_properties = lambda device=None: gpu
     torch.cuda.get_device_capability = lambda device=None: (gpu.major, gpu.minor)
+    device_sm_count.cache_clear()  # what launchers remember of the real card (or the last simulated one)
     try:
         yield
     finally:
         torch.cuda.get_device_properties, torch.cuda.get_device_capability = saved
+        device_sm_count.cache_clear()
 
 
 class _MetaFallback(TorchFunctionMode):

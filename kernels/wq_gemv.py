@@ -26,6 +26,7 @@ buffer (then cast: two more small launches, which stacking avoids).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -289,12 +290,18 @@ def plan_gemv(n: int, k: int, bits: int, group_size: int, groups: int, sm_count:
     return GemvPlan(block_kw, mode, group_words, stack, split, kw_per_slice, cdiv(n, BLOCK_N // stack), stages)
 
 
+@functools.lru_cache(maxsize=None)
+def device_sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device `index`, asked once (every quantized matmul launch reads it).
+    Whoever makes torch answer for another card (the compile check's simulated GPUs) clears this cache."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def sm_count(device: torch.device) -> int | None:
     """Streaming multiprocessors of a CUDA device (what the split rules fill); None elsewhere."""
     if device.type != "cuda":
         return None
-    # Not cached here: torch caches the properties, and the compile check simulates several cards in one process.
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return device_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def as_words(weight: torch.Tensor) -> torch.Tensor | None:
