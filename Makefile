@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo bench bench-engine bench-kernels fuzz compile-check gpu-wheels clean
+.PHONY: venv test test-fast demo bench bench-llamacpp bench-engine bench-kernels fuzz compile-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -35,7 +35,8 @@ demo: $(STAMP)
 # from the environment: BENCH_PROMPTS, BENCH_OUTPUT_LEN, BENCH_CONCURRENCY, BENCH_RUNS (ENGINE:ARTIFACT[@DTYPE]:
 # @bf16 serves in bf16, reported as NAME-bf16), BENCH_SERVE_ARGS (extra llmopt serve options), BENCH_URLS
 # ("NAME=URL ...": servers already running, e.g. llama.cpp's llama-server or vLLM, benched with the same
-# load), BENCH_OUT (bench-results), BENCH_ARTIFACTS (out/bench).
+# load), LLAMA_SERVER (a llama-server binary: bench starts it on LLAMA_GGUF with LLAMA_ARGS, reported as
+# llama-server; docs/bench.md says how to build one), BENCH_OUT (bench-results), BENCH_ARTIFACTS (out/bench).
 LLMOPT := $(PY) -m llmopt.cli.main
 BENCH_OUT ?= bench-results
 BENCH_ARTIFACTS ?= out/bench
@@ -45,6 +46,11 @@ BENCH_CONCURRENCY ?= 1 4 16
 BENCH_RUNS ?= hf:base llmopt:base llmopt:base@bf16 llmopt:w8a16 llmopt:w4a16
 BENCH_SERVE_ARGS ?=
 BENCH_URLS ?=
+LLAMA_SERVER ?=
+LLAMA_GGUF ?= smollm2-135m
+# --no-repack: llama.cpp's AMX repacking crashes (SIGSEGV at tileloadd) in this VM; -c/-np/--kv-unified: 16
+# slots sharing 32,768 tokens of KV cache, what `--max-model-len 2048 --max-num-seqs 16` gives llmopt.
+LLAMA_ARGS ?= -t 2 -np 16 -c 32768 --kv-unified --no-repack
 BENCH_LOAD = --dataset sharegpt --num-prompts $(BENCH_PROMPTS) --output-len $(BENCH_OUTPUT_LEN) --ignore-eos \
 	--request-rate inf --warmup 1 --seed 0 --quiet
 # base: the import of smollm2-135m; w8a16 / w4a16: RTN from the base. Built once (kept while llmopt.json exists).
@@ -73,6 +79,14 @@ bench: $(STAMP) $(foreach n,$(BENCH_NAMES),$(ART)/$(n)/llmopt.json)
 	            --max-concurrency $$c --json $(BENCH_OUT)/$$label-c$$c.json > $(BENCH_OUT)/$$label-c$$c.txt || exit 1; \
 	    done; \
 	done; \
+	if [[ -n "$(LLAMA_SERVER)" ]]; then \
+	    for c in $(BENCH_CONCURRENCY); do \
+	        echo "== llama-server on $(LLAMA_GGUF), concurrency $$c" >&2; \
+	        LLAMA_SERVER=$(LLAMA_SERVER) $(LLMOPT) bench --server $(LLAMA_GGUF) --engine llama-server \
+	            --serve-args "$(LLAMA_ARGS)" $(BENCH_LOAD) --max-concurrency $$c \
+	            --json $(BENCH_OUT)/llama-server-c$$c.json > $(BENCH_OUT)/llama-server-c$$c.txt || exit 1; \
+	    done; \
+	fi; \
 	for entry in $(BENCH_URLS); do \
 	    for c in $(BENCH_CONCURRENCY); do \
 	        echo "== $${entry%%=*} at $${entry#*=}, concurrency $$c" >&2; \
@@ -81,6 +95,18 @@ bench: $(STAMP) $(foreach n,$(BENCH_NAMES),$(ART)/$(n)/llmopt.json)
 	    done; \
 	done; \
 	$(LLMOPT) bench summary $(BENCH_OUT) --baseline hf-base && echo "make bench: $$((SECONDS - start)) s; reports in $(BENCH_OUT)/" >&2
+
+# llmopt serve against llama.cpp's llama-server, the table of README's results (scripts/bench_llamacpp.py):
+# interleaved rounds of concurrency 1 and 16, a 512-token prompt, concurrency 1 beside a busy core, start-up
+# time and peak memory; W4A16 (RTN, g64) and W4A16 + int8 embeddings, with llama-server's KV capacity.
+LLAMACPP_SERVE = --max-model-len 2048 --max-num-seqs 16
+bench-llamacpp: $(STAMP) $(ART)/w4a16/llmopt.json $(ART)/w4a16e8/llmopt.json
+	$(PY) scripts/bench_llamacpp.py $(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER)) --gguf $(LLAMA_GGUF) \
+	    --llama-args "$(LLAMA_ARGS)" --run "llmopt-w4a16=$(ART)/w4a16:$(LLAMACPP_SERVE)" \
+	    --run "llmopt-w4a16-int8emb=$(ART)/w4a16e8:$(LLAMACPP_SERVE)" --out $(BENCH_OUT)/llamacpp
+
+$(ART)/w4a16e8/llmopt.json: | $(ART)/base/llmopt.json
+	$(LLMOPT) quantize $(ART)/base -o $(@D) --method rtn --scheme W4A16 --embeddings int8 --eval-windows 0 --force
 
 # The engine offline (no HTTP) on base, W8A16 and W4A16 against transformers generate in static batches of 8:
 # the first 100 ShareGPT prompts as chat, greedy, up to 128 new tokens, all given to the engine at once.

@@ -67,11 +67,12 @@ def bench_source(config: BenchStageConfig, requests: list[BenchRequest], source:
     partial and says so (`interrupted`)."""
     hooks = hooks or BenchHooks()
     server = replace(config.server, source=source) if source else None
-    with running_server(server, hooks.status) if server else nullcontext(config.load.url) as url:
+    stats: dict = {}  # the started server's ready_s and peak_rss_bytes
+    with running_server(server, hooks.status, stats) if server else nullcontext(config.load.url) as url:
         load = replace(config.load, url=url)
         hooks.status(f"{len(requests)} requests to {load.api_url}, rate {load.describe()['request_rate']}, "
                      f"max concurrency {load.max_concurrency or 'unlimited'}")
         with hooks.progress(len(requests)) as on_result:
             run = run_bench(load, requests, on_result=on_result)
-    report = build_report(load, config.dataset, run, server=server.describe() if server else None)
+    report = build_report(load, config.dataset, run, server=server.describe() | stats if server else None)
     return BenchOutcome(report, broken_bounds(list(config.fail_on), report))

@@ -2,12 +2,19 @@
 
 The engine is `llmopt serve` (default) or, for baselines, the plain-transformers server
 (`--engine hf`: `python -m llmopt.stages.serve.baseline`, started by its module name, so the bench
-still imports nothing of the engine). Its output goes to a log file whose last lines explain a server
-that dies or never becomes healthy.
+still imports nothing of the engine) or llama.cpp's server (`--engine llama-server`: the binary named by
+`$LLAMA_SERVER`, else `llama-server` on PATH, on a GGUF file or a GGUF alias such as smollm2-135m; its own
+options go in `--serve-args`). Its output goes to a log file whose last lines explain a server that dies or
+never becomes healthy.
+
+What a person running a server notices is measured on the way: seconds from the start to the first
+`/health` 200 (`ready_s`) and the process's peak resident memory (`peak_rss_bytes`, the kernel's VmHWM,
+read just before it is stopped), both kept in the report's `server` section.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,7 +30,8 @@ from typing import Callable, Iterator
 from ..errors import ConfigError, LlmoptError
 
 BASELINE_MODULE = "llmopt.stages.serve.baseline"
-ENGINES = ("llmopt", "hf")
+ENGINES = ("llmopt", "hf", "llama-server")
+LLAMA_SERVER_ENV = "LLAMA_SERVER"  # the llama-server binary for --engine llama-server (else PATH)
 TAIL_LINES = 15
 
 
@@ -42,11 +50,14 @@ class ServerSpec:
 
     def validate(self) -> None:
         if self.engine not in ENGINES:
-            raise ConfigError(f"--engine {self.engine}: use llmopt or hf")
+            raise ConfigError(f"--engine {self.engine}: use llmopt, hf or llama-server")
         if self.startup_timeout_s <= 0:
             raise ConfigError("--server-timeout must be positive")
 
     def command(self, port: int) -> list[str]:
+        if self.engine == "llama-server":
+            return [llama_server_binary(), "-m", gguf_file(self.source), "--host", self.host, "--port", str(port),
+                    *self.args]
         if self.engine == "hf":
             head = [sys.executable, "-m", BASELINE_MODULE, self.source]
         else:
@@ -59,6 +70,41 @@ class ServerSpec:
         return {"source": self.source, "engine": self.engine, "args": list(self.args)}
 
 
+def llama_server_binary() -> str:
+    """The llama-server executable: `$LLAMA_SERVER`, else `llama-server` on PATH; a one-line error without one."""
+    given = os.environ.get(LLAMA_SERVER_ENV)
+    found = given or shutil.which("llama-server")
+    if not found:
+        raise ConfigError("--engine llama-server: no llama-server binary; set $LLAMA_SERVER to its path "
+                          "(docs/bench.md says how to build it) or put it on PATH")
+    if not (os.path.isfile(found) and os.access(found, os.X_OK)):
+        raise ConfigError(f"${LLAMA_SERVER_ENV}={found}: not an executable file")
+    return found
+
+
+def gguf_file(source: str) -> str:
+    """The GGUF file llama-server loads for `source`: a .gguf path or a built-in alias's file."""
+    from ..source import resolve  # here: resolving an alias locates its package, which --help need not do
+
+    resolved = resolve(source)
+    if resolved.kind not in ("alias", "gguf"):
+        raise ConfigError(f"--engine llama-server: {source} is a model directory; llama-server loads a .gguf file "
+                          "or an alias such as smollm2-135m")
+    return str(resolved.path)
+
+
+def peak_rss_bytes(pid: int) -> int | None:
+    """The process's peak resident set (VmHWM) in bytes, or None where /proc does not say (not Linux, gone)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -66,25 +112,31 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @contextmanager
-def running_server(spec: ServerSpec, status: Callable[[str], None] = lambda message: None) -> Iterator[str]:
-    """Yields the base URL of a healthy server; stops it (SIGTERM, then SIGKILL) however the block ends."""
+def running_server(spec: ServerSpec, status: Callable[[str], None] = lambda message: None,
+                   stats: dict | None = None) -> Iterator[str]:
+    """Yields the base URL of a healthy server; stops it (SIGTERM, then SIGKILL) however the block ends.
+    `stats`, when given, gets `ready_s` once it is healthy and `peak_rss_bytes` just before it is stopped."""
     spec.validate()
-    port = free_port(spec.host)
+    stats = {} if stats is None else stats
+    command = spec.command(free_port(spec.host))  # a missing binary or a wrong source fails before anything runs
+    port = int(command[command.index("--port") + 1])
     with tempfile.TemporaryDirectory(prefix="llmopt-bench-") as tmp:
         log_path = Path(tmp) / "server.log"
         with open(log_path, "wb") as log:
-            command = spec.command(port)
             status(f"starting {' '.join(command[1:])}")
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             # Its own session: a Ctrl-C in the terminal reaches us, and we stop the server in order.
+            started = time.monotonic()
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
             try:
                 url = f"http://{spec.host}:{port}"
                 wait_healthy(proc, url, spec.startup_timeout_s, log_path, spec.engine)
-                status(f"server ready at {url} (pid {proc.pid})")
+                stats["ready_s"] = round(time.monotonic() - started, 3)
+                status(f"server ready at {url} (pid {proc.pid}) after {stats['ready_s']:.2f} s")
                 yield url
             finally:
+                stats["peak_rss_bytes"] = peak_rss_bytes(proc.pid)
                 stop(proc, spec.stop_timeout_s)
 
 
@@ -104,7 +156,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, log_path: P
                     return
             except httpx.HTTPError:
                 pass  # not listening yet
-            time.sleep(0.25)
+            time.sleep(0.02)  # finely: the wait is the start-up time the report gives
     raise ServerError(f"the {name} server did not answer /health within {timeout_s:g} s (raise --server-timeout); "
                       f"last lines of its output:\n{tail(log_path)}")
 

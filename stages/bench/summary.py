@@ -1,6 +1,6 @@
 """`llmopt bench summary DIR`: one Markdown table of the reports `make bench` writes (DIR/NAME-cC.json,
 one per run and concurrency), with each run's output throughput as a multiple of a baseline run's at
-the same concurrency."""
+the same concurrency, and, for servers the bench started itself, their start-up time and peak memory."""
 from __future__ import annotations
 
 import re
@@ -11,7 +11,7 @@ from .report import load_report
 
 NAME = re.compile(r"^(?P<name>.+)-c(?P<c>\d+)\.json$")
 COLUMNS = ("run", "concurrency", "ok/failed", "output tok/s", "req/s", "median TTFT ms", "p99 TTFT ms",
-           "median TPOT ms", "median ITL ms", "median e2e ms", "x baseline")
+           "median TPOT ms", "median ITL ms", "median e2e ms", "x baseline", "ready s", "peak RSS MiB")
 
 
 def load_reports(directory: Path) -> dict[tuple[str, int], dict]:
@@ -42,10 +42,12 @@ def _fmt(value, digits: int = 1) -> str:
 
 def _row(name: str, c: int, r: dict, base: dict | None) -> list[str]:
     x = ratio(r, base)
+    server = r.get("server") or {}
+    rss = server.get("peak_rss_bytes")
     return [name, str(c), f"{r['completed']}/{r['failed']}", _fmt(r.get("output_throughput")),
             _fmt(r.get("request_throughput"), 2), _fmt(r.get("median_ttft_ms")), _fmt(r.get("p99_ttft_ms")),
             _fmt(r.get("median_tpot_ms")), _fmt(r.get("median_itl_ms")), _fmt(r.get("median_e2el_ms")),
-            "-" if x is None else f"{x:.1f}x"]
+            "-" if x is None else f"{x:.1f}x", _fmt(server.get("ready_s"), 2), _fmt(rss and rss / 2**20, 0)]
 
 
 def summary_table(reports: dict[tuple[str, int], dict], baseline: str) -> str:

@@ -6,8 +6,11 @@ import time
 
 import pytest
 
+from llmopt.stages.errors import ConfigError
+
 from llmopt.cli.main import main
-from llmopt.stages.bench.server import ServerError, ServerSpec, free_port, running_server, stop, wait_healthy
+from llmopt.stages.bench.server import (ServerError, ServerSpec, free_port, peak_rss_bytes, running_server, stop,
+                                        wait_healthy)
 
 
 def _serve_available() -> bool:
@@ -33,6 +36,9 @@ def test_server_option_benches_a_real_server(engine, tiny_hf, tmp_path, capsys):
     assert (report["completed"], report["failed"]) == (4, 0)
     assert report["total_output_tokens"] == 20  # usage from the server: exactly max_tokens with ignore_eos
     assert report["server"]["engine"] == engine and report["mean_ttft_ms"] > 0
+    # what the person running it notices: time to the first /health 200 and the peak memory (VmHWM)
+    assert 0 < report["server"]["ready_s"] < 120
+    assert report["server"]["peak_rss_bytes"] > 50 * 2**20  # python + torch at least
     assert "server ready at http://127.0.0.1:" in captured.err
 
 
@@ -61,7 +67,47 @@ def test_a_server_that_never_answers_times_out_and_is_stopped(tmp_path):
 
 def test_unknown_engine_is_a_config_error(capsys):
     assert main(["bench", "--server", "x", "--engine", "vllm"]) == 2
-    assert "--engine vllm: use llmopt or hf" in capsys.readouterr().err
+    assert "--engine vllm: use llmopt, hf or llama-server" in capsys.readouterr().err
+
+
+def test_llama_server_runs_the_given_binary_on_the_gguf(tmp_path, monkeypatch):
+    from llmopt.stages.source import resolve
+
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv("LLAMA_SERVER", str(binary))
+    command = ServerSpec("smollm2-135m", engine="llama-server", args=("-t", "2")).command(8123)
+    assert command == [str(binary), "-m", str(resolve("smollm2-135m").path), "--host", "127.0.0.1",
+                       "--port", "8123", "-t", "2"]
+
+
+def test_llama_server_errors_are_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "missing"))
+    assert main(["bench", "--server", "smollm2-135m", "--engine", "llama-server", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "$LLAMA_SERVER=" in err and "not an executable file" in err and "Traceback" not in err
+    monkeypatch.delenv("LLAMA_SERVER")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert main(["bench", "--server", "smollm2-135m", "--engine", "llama-server", "--quiet"]) == 2
+    assert "no llama-server binary; set $LLAMA_SERVER" in capsys.readouterr().err
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    model_dir = tmp_path / "hf"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="llama-server loads a .gguf file"):
+        ServerSpec(str(model_dir), engine="llama-server").command(8000)
+
+
+def test_peak_rss_reads_this_process_and_none_for_a_gone_one():
+    import os
+
+    assert peak_rss_bytes(os.getpid()) > 10 * 2**20
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert peak_rss_bytes(proc.pid) is None
 
 
 def test_the_bench_server_has_no_drain_grace_unless_serve_args_set_one():
