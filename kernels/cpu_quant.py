@@ -17,9 +17,11 @@ becoming compute-bound on unpacking:
   over the batch's [min, max] of the normalised rows, so numerics differ slightly from the
   symmetric per-token twin (same error level, checked in tests/kernels/test_linear.py).
 
-The packed weight-only kernels are GEMV kernels: from DEQUANT_MIN_ROWS_* rows (prefill) they
-lose to a transient bf16 weight + bf16 GEMM, so the weight-only paths switch there (the
-transient weight lives for one call). fbgemm's int8 GEMM stays fastest at every batch size.
+The packed weight-only kernels are GEMV kernels: from PREFILL_MIN_ROWS_* rows (prefill) they
+lose to the native prefill kernels (`cpu_prefill`: AMX on W4, else a dequantized bf16 scratch +
+oneDNN), so the weight-only paths switch there; where those cannot take the layout, from
+DEQUANT_MIN_ROWS_* rows to a transient bf16 weight dequantized by torch ops + a bf16 GEMM.
+fbgemm's int8 GEMM stays fastest at every batch size.
 
 Each `pack_*` returns None for shapes/layouts its kernel cannot take; the CPU backends
 (`cpu_backends`) then route the layer elsewhere. Nothing here is imported by the Triton path.
@@ -40,6 +42,11 @@ _INT4_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu acc
 # the 576x49152 lm_head's transient weight spills the cache, hence the margin).
 DEQUANT_MIN_ROWS_W4 = 128
 DEQUANT_MIN_ROWS_W8 = 64
+# Where the native prefill kernels take the layer (`cpu_prefill`), they take over from fewer rows: summed
+# over SmolLM2's four projections, 1 thread, AMX W4 2.1 ms vs torch's int4 kernel 3.7 at 16 rows (1.8 vs 2.1
+# at 8); W8 through the dequantized scratch 1.8 ms vs torch's int8 kernel 3.0 at 32 rows (1.5 vs 1.7 at 16).
+PREFILL_MIN_ROWS_W4 = 16
+PREFILL_MIN_ROWS_W8 = 32
 
 
 @dataclass(frozen=True)
@@ -89,13 +96,14 @@ def pack_w4a16_for_cpu(weight_packed, weight_scale, in_features, weight_zero_poi
 def w4a16_cpu_matmul(x, weight: Int4CpuWeight):
     """x [..., K] @ W.T on bf16 activations; returns x's dtype.
 
-    Few rows (decode): the int4 kernel, which streams 4-bit weights. From DEQUANT_MIN_ROWS_W4
-    rows (prefill) that kernel is slower than dequantizing a transient bf16 weight and
-    running a bf16 GEMM, whose cost the rows amortise.
+    Few rows (decode): the int4 kernel, which streams 4-bit weights. From PREFILL_MIN_ROWS_W4
+    rows the native prefill kernel (`cpu_prefill`), where it takes the layout; without it, from
+    DEQUANT_MIN_ROWS_W4 rows a transient bf16 weight dequantized by torch ops and a bf16 GEMM.
     """
-    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-    if x2.shape[0] >= DEQUANT_MIN_ROWS_W4 and weight.prefill is not None:
-        return prefill_matmul(x2, weight.prefill).to(x.dtype).view(*x.shape[:-1], weight.prefill.out_features)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] >= PREFILL_MIN_ROWS_W4 and weight.prefill is not None:  # fp32 x keeps an fp32 output
+        return prefill_matmul(x2, weight.prefill).view(*x.shape[:-1], weight.prefill.out_features)
+    x2 = x2.to(torch.bfloat16)
     if x2.shape[0] >= DEQUANT_MIN_ROWS_W4:
         y = torch.nn.functional.linear(x2, w4a16_dequantize(*weight.source, dtype=torch.bfloat16))
     else:
@@ -125,10 +133,10 @@ def pack_w8a16_for_cpu(weight, weight_scale, weight_zero_point=None):
 
 
 def w8a16_cpu_matmul(x, weight: Int8CpuWeight):
-    """x [..., K] @ W.T on bf16 activations (int8 kernel; transient bf16 weight from
-    DEQUANT_MIN_ROWS_W8 rows, as for W4); returns x's dtype."""
+    """x [..., K] @ W.T on bf16 activations (int8 kernel; the prefill kernel from PREFILL_MIN_ROWS_W8
+    rows, else a transient bf16 weight from DEQUANT_MIN_ROWS_W8 rows, as for W4); returns x's dtype."""
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] >= DEQUANT_MIN_ROWS_W8 and weight.prefill is not None:  # zero points folded in the weight
+    if x2.shape[0] >= PREFILL_MIN_ROWS_W8 and weight.prefill is not None:  # zero points folded in the weight
         return prefill_matmul(x2, weight.prefill).view(*x.shape[:-1], weight.prefill.out_features)
     if x2.shape[0] >= DEQUANT_MIN_ROWS_W8:
         dense = dequantize(weight.weight, weight.scale, None, -1, torch.bfloat16)  # [N, K]
