@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = [_CSRC / name for name in ("paged_decode.c", "gemv.c", "ops.c", "layer.c", "dequant.c", "amx_w4.c")]
+SOURCES = [_CSRC / name for name in ("paged_decode.c", "gemv.c", "ops.c", "layer.c", "dequant.c", "amx_wq.c")]
 HEADERS = [_CSRC / "llmopt.h"]
 # Compiled with -ffast-math (vectorised reductions and expf), linked without it: linked with it, gcc adds
 # crtfastmath.o, which switches the whole process to flush-denormals-to-zero when the library loads.

@@ -5,9 +5,9 @@ Measured here (Xeon with AMX, 1 thread, SmolLM2's 576 -> 3072 gate_up at 512 row
 the table): oneDNN's bf16 GEMM on a reordered dense weight 1.4-1.6 ms; the route before this one
 (`wq_matmul.w4a16_dequantize` with torch ops, then F.linear) 4-7 ms; torch's int4 kernel 23 ms.
 
-- W4 on a CPU with AMX: `csrc/amx_w4.c` dequantizes 32 output columns at a time straight into AMX tiles'
-  layout (in cache) and multiplies every row of x against them (TDPBF16PS): ~1.6 ms, no scratch.
-- Otherwise (W8, no AMX, N not a multiple of 32): `csrc/dequant.c` writes the bf16 weight into a reusable
+- On a CPU with AMX: `csrc/amx_wq.c` dequantizes 32 output columns at a time straight into AMX tiles'
+  layout (in cache) and multiplies every row of x against them (TDPBF16PS): ~1.6 ms (W4), no scratch.
+- Otherwise (no AMX, N or the group not a multiple of 32): `csrc/dequant.c` writes the bf16 weight into a reusable
   scratch (~0.25 ms for that layer), then oneDNN's bf16 GEMM runs on it (AMX where present): ~2-2.6 ms.
   The scratch is per thread and at most PREFILL_CHUNK_ELEMS elements; larger weights go by chunks of rows.
 
@@ -46,7 +46,7 @@ class PrefillWeight:
     group: int
     out_features: int
     in_features: int
-    amx: tuple | None = None  # W4 on AMX: (scales, zeros as fp32 or None), both transposed to [G, N]
+    amx: tuple | None = None  # on AMX: (scales, zeros as fp32 or None), both transposed to [G, N]
 
     def dequantize_rows(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
         """Rows start..stop of the bf16 weight, written into `out` [stop - start, K] (contiguous)."""
@@ -111,10 +111,7 @@ def pack_w4a16_prefill(weight_packed, weight_scale, in_features, weight_zero_poi
         return None
     zeros = None if weight_zero_point is None else unpack_zero_point_stored(weight_zero_point, n).contiguous()
     scales = weight_scale.reshape(n, -1).float().contiguous()
-    amx = None
-    if n % 32 == 0 and amx_available():
-        amx = (scales.t().contiguous(), None if zeros is None else zeros.float().t().contiguous())
-    return PrefillWeight(4, weight_packed, scales, zeros, group, n, in_features, amx)
+    return PrefillWeight(4, weight_packed, scales, zeros, group, n, in_features, _amx_layout(n, group, scales, zeros))
 
 
 def pack_w8a16_prefill(weight, weight_scale, weight_zero_point=None, group_size=None):
@@ -126,14 +123,23 @@ def pack_w8a16_prefill(weight, weight_scale, weight_zero_point=None, group_size=
             or weight.device.type != "cpu" or not prefill_available():
         return None
     zeros = None if weight_zero_point is None else weight_zero_point.reshape(n, -1).to(torch.int8).contiguous()
-    return PrefillWeight(8, weight, weight_scale.reshape(n, -1).float().contiguous(), zeros, group, n, k)
+    scales = weight_scale.reshape(n, -1).float().contiguous()
+    return PrefillWeight(8, weight, scales, zeros, group, n, k, _amx_layout(n, group, scales, zeros))
+
+
+def _amx_layout(n: int, group: int, scales: torch.Tensor, zeros: torch.Tensor | None) -> tuple | None:
+    """(scales, zeros) as the AMX kernel reads them, fp32 [G, N], where it takes the layer (N and the group
+    multiples of 32, so K too), else None."""
+    if n % 32 or group % 32 or not amx_available():
+        return None
+    return scales.t().contiguous(), None if zeros is None else zeros.float().t().contiguous()
 
 
 def prefill_matmul(x: torch.Tensor, weight: PrefillWeight) -> torch.Tensor:
     """x [M, K] @ W.T for prefill-sized M on bf16 activations, fp32 accumulation; returns x's dtype.
     W4 with AMX: the AMX kernel. Else W dequantized into this thread's scratch, then oneDNN's bf16 GEMM."""
     if weight.amx is not None:
-        return _amx_w4(x, weight)
+        return _amx_matmul(x, weight)
     n, k = weight.out_features, weight.in_features
     x2 = x.to(torch.bfloat16)
     step = max(16, PREFILL_CHUNK_ELEMS // k // 16 * 16)
@@ -155,7 +161,7 @@ def _scratch_rows(rows: int, k: int) -> torch.Tensor:
     return buf[:rows * k].view(rows, k)
 
 
-def _amx_w4(x: torch.Tensor, weight: PrefillWeight) -> torch.Tensor:
+def _amx_matmul(x: torch.Tensor, weight: PrefillWeight) -> torch.Tensor:
     m, k = x.shape
     mp = -(-m // 32) * 32
     xb = x.to(torch.bfloat16).contiguous()
@@ -164,13 +170,13 @@ def _amx_w4(x: torch.Tensor, weight: PrefillWeight) -> torch.Tensor:
     out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
     y = torch.empty(m, weight.out_features, dtype=out_dtype)
     scales_t, zeros_t = weight.amx
-    with _traced("amx_w4_matmul"):
-        rc = _native("llmopt_amx_w4_matmul", (_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, ctypes.c_int, _I64,
-                                              _I64, _I64))(
-            xb.data_ptr(), weight.q.data_ptr(), weight.q.stride(0), scales_t.data_ptr(),
-            None if zeros_t is None else zeros_t.data_ptr(), weight.group, y.data_ptr(), y.stride(0),
-            0 if out_dtype == torch.float32 else 1, m, weight.out_features, k)
+    with _traced(f"amx_w{weight.bits}_matmul"):
+        rc = _native("llmopt_amx_wq_matmul", (_PTR, _PTR, _I64, ctypes.c_int, _PTR, _PTR, _I64, _PTR, _I64,
+                                              ctypes.c_int, _I64, _I64, _I64))(
+            xb.data_ptr(), weight.q.data_ptr(), weight.q.stride(0) * weight.q.element_size(), weight.bits,
+            scales_t.data_ptr(), None if zeros_t is None else zeros_t.data_ptr(), weight.group, y.data_ptr(),
+            y.stride(0), 0 if out_dtype == torch.float32 else 1, m, weight.out_features, k)
     if rc:
-        raise (MemoryError if rc == 2 else ValueError)(f"amx_w4_matmul: failed for x {tuple(x.shape)}, weight "
-                                                       f"[{weight.out_features}, {k}] group {weight.group}")
+        raise (MemoryError if rc == 2 else ValueError)(f"amx_w{weight.bits}_matmul: failed for x {tuple(x.shape)}, "
+                                                       f"weight [{weight.out_features}, {k}] group {weight.group}")
     return y.to(x.dtype)

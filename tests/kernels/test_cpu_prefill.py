@@ -1,4 +1,4 @@
-"""The native prefill kernels of weight-only layers (csrc/dequant.c, csrc/amx_w4.c through `cpu_prefill`): the
+"""The native prefill kernels of weight-only layers (csrc/dequant.c, csrc/amx_wq.c through `cpu_prefill`): the
 dequantized weight bit for bit against the exact twin's, the matmuls against fp64, and the route each row count
 takes in the CPU backends."""
 import dataclasses
@@ -84,9 +84,12 @@ def test_w4_matmul_on_each_route_matches_the_twin(n, k, group, symmetric, rows, 
 
 @pytest.mark.parametrize("n, k, group, symmetric", W8_CASES)
 @pytest.mark.parametrize("rows", [1, 33])
-def test_w8_matmul_matches_the_twin(n, k, group, symmetric, rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8_matmul_on_each_route_matches_the_twin(n, k, group, symmetric, rows, dtype):
     _, weight, dense = _w8(n, k, group, symmetric)
-    _check_matmul(weight, dense, rows, torch.float32)
+    assert (weight.amx is not None) == (n % 32 == 0 and (group or k) % 32 == 0 and cpu_prefill.amx_available())
+    _check_matmul(weight, dense, rows, dtype)
+    _check_matmul(dataclasses.replace(weight, amx=None), dense, rows, dtype)
 
 
 def test_large_weights_go_by_chunks_of_rows(monkeypatch):
@@ -137,8 +140,8 @@ def test_native_backend_routes_prefill_rows_to_the_prefill_kernels(case):
     most = layer.native.max_rows
     first_prefill_row = first_prefill_row or most + 1
     n = layer.out_features
-    prefill = ["llmopt::amx_w4_matmul"] if fmt == "w4a16" and n % 32 == 0 and cpu_prefill.amx_available() \
-        else [f"llmopt::dequantize_w{fmt[1]}", "mkldnn::_linear_pointwise"]
+    prefill = [f"llmopt::amx_w{fmt[1]}_matmul"] if n % 32 == 0 and (group or 128) % 32 == 0 \
+        and cpu_prefill.amx_available() else [f"llmopt::dequantize_w{fmt[1]}", "mkldnn::_linear_pointwise"]
     reference = select_backend("reference").quantized_linear(fmt, t, group)
     for rows in sorted({1, most, most + 1, first_prefill_row - 1, first_prefill_row, 37}):
         x = torch.randn(rows, 128)

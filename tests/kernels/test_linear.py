@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmopt.kernels import W4A16Linear, W8A8Linear, cpu_native, select_backend, w4a16_dequantize, w4a16_matmul
+from llmopt.kernels import W4A16Linear, W8A8Linear, cpu_native, cpu_prefill, select_backend, w4a16_dequantize, \
+    w4a16_matmul
 from llmopt.kernels.cpu_linear import DenseLinear
 from llmopt.kernels.cpu_quant import Int4CpuWeight, Int8CpuWeight, Int8DynamicCpuWeight, fbgemm_available
 from tests.kernels.helpers import kernel_names, quantize_int4, quantize_int8
@@ -152,7 +153,8 @@ NATIVE_CASES = {  # (format, tensors, group size, the kernel just beyond the GEM
     "w4-n36-prefill": ("w4a16", lambda: quantize_int4(torch.randn(36, 128), 32, True), 32,  # N % 16: no int4 kernel
                        "llmopt::dequantize_w4"),
     "w8-int8pack": ("w8a16", lambda: quantize_int8(torch.randn(64, 128)), None, "aten::_weight_int8pack_mm"),
-    "w8-group-prefill": ("w8a16", lambda: _group_wise_int8(64, 128, 32), 32, "llmopt::dequantize_w8"),
+    "w8-group-prefill": ("w8a16", lambda: _group_wise_int8(64, 128, 32), 32,
+                         "llmopt::amx_w8_matmul" if cpu_prefill.amx_available() else "llmopt::dequantize_w8"),
 }
 
 

@@ -1,10 +1,11 @@
-/* Prefill matmuls on W4 weights with AMX: y[M][N] = x[M][K] @ W.T, W = (q - zero) * scale dequantized in
- * panels of 32 output columns straight into the tile layout, never as a whole dense weight.
+/* Prefill matmuls on weight-only quantized weights (W4, W8) with AMX: y[M][N] = x[M][K] @ W.T, W = (q - zero)
+ * * scale dequantized in panels of 32 output columns straight into the tile layout, never as a whole dense
+ * weight.
  *
  * A oneDNN bf16 GEMM on a dense weight dequantized per call (csrc/dequant.c) pays for the dense weight
  * twice: writing it (a few MiB per layer, out of cache), then oneDNN's own copy of a plain weight into
- * its blocked layout. Here each thread dequantizes one panel (32 columns x K) at a time into an L1-sized
- * buffer already in the layout of an AMX B tile, and runs every row of x against it.
+ * its blocked layout. Here each thread dequantizes a group of panels (32 columns x K each, in L2) already
+ * in the layout of AMX B tiles, then runs every block of 32 rows of x (in L1) over them.
  *
  * Tiles (palette 1): C 0..3 = 2 x 2 blocks of 16 rows x 16 columns fp32; A 4, 5 = 16 rows of x x 32
  * inputs (bf16, straight from x, zero-padded to whole blocks of 32 rows); B 6, 7 = 16 input pairs x 16
@@ -12,9 +13,9 @@
  * TDPBF16PS accumulates in fp32: weight elements are bf16((q - zero) * scale) computed in fp32 (as
  * csrc/dequant.c), activations bf16, sums fp32, one rounding to the output dtype.
  *
- * W4 layout: compressed-tensors' int32 [N][K/8] (byte b of a row: inputs 2b low nibble, 2b + 1 high),
- * stored values 0..15; scales and zeros transposed once by the caller to fp32 [G][N] (zeros NULL: 8).
- * N and K multiples of 32, the group a multiple of 32 (the caller checks).
+ * Codes: W4 in compressed-tensors' int32 [N][K/8] (byte b of a row: inputs 2b low nibble, 2b + 1 high),
+ * stored values 0..15 (symmetric: zero 8); W8 int8 [N][K] (symmetric: zero 0). Scales and zeros transposed
+ * once by the caller to fp32 [G][N] (zeros NULL: symmetric). N, K and the group multiples of 32 (checked).
  */
 #include <stdint.h>
 #include <string.h>
@@ -57,40 +58,60 @@ static void load_config(void) {
 
 /* B tile of columns n0..n0+15, inputs 32s..32s+31: row p = 16 dwords, dword n = bf16 pair of inputs
  * (32s + 2p, 32s + 2p + 1) of row n0 + n. Gathers one dword (4 bytes = pairs 4j..4j+3) of each row. */
-static void b_tile(const uint8_t *w, int64_t row_bytes, __m512 s, __m512 z, int64_t step, uint32_t *out) {
+static const int16_t INTERLEAVE[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+/* B-tile row from the codes of 16 columns: lane n = bf16((lo - z) * s) | bf16((hi - z) * s) << 16. */
+static inline void b_row(__m512i lo, __m512i hi, __m512 s, __m512 z, __m512i interleave, uint32_t *out) {
+    __m512 flo = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(lo), z), s);
+    __m512 fhi = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(hi), z), s);
+    __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(fhi, flo); /* [16 x bf16(flo) | 16 x bf16(fhi)] */
+    _mm512_store_si512((void *)out, _mm512_permutexvar_epi16(interleave, halves));
+}
+
+/* B tile of columns n0..n0+15, inputs 32s..32s+31 (row p: the pair 32s + 2p, 32s + 2p + 1 of each column),
+ * from one gathered dword of each column's codes at a time: W4, 4 bytes = pairs 4j..4j+3 (a byte holds a
+ * pair: low nibble first); W8, 4 int8 = pairs 2j, 2j + 1. */
+static void b_tile(const uint8_t *w, int64_t row_bytes, int bits, __m512 s, __m512 z, int64_t step, uint32_t *out) {
     const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32((int)row_bytes));
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    for (int j = 0; j < 4; j++) {
-        __m512i d = _mm512_i32gather_epi32(rows, (const void *)(w + step * 16 + 4 * j), 1);
-        for (int b = 0; b < 4; b++) {
-            __m512i byte = _mm512_srli_epi32(d, 8 * b);
-            __m512i lo = _mm512_and_si512(byte, _mm512_set1_epi32(15));
-            __m512i hi = _mm512_and_si512(_mm512_srli_epi32(byte, 4), _mm512_set1_epi32(15));
-            __m512 flo = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(lo), z), s);
-            __m512 fhi = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(hi), z), s);
-            /* [flo as 16 bf16 | fhi as 16 bf16] -> lane n = bf16(flo[n]) | bf16(fhi[n]) << 16 */
-            __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(fhi, flo);
-            _mm512_store_si512((void *)(out + (4 * j + b) * 16), _mm512_permutexvar_epi16(interleave, halves));
+    const __m512i interleave = _mm512_loadu_si512((const void *)INTERLEAVE), nibble = _mm512_set1_epi32(15);
+    if (bits == 4) {
+        for (int j = 0; j < 4; j++) {
+            __m512i d = _mm512_i32gather_epi32(rows, (const void *)(w + step * 16 + 4 * j), 1);
+            for (int b = 0; b < 4; b++) {
+                __m512i byte = _mm512_srli_epi32(d, 8 * b);
+                b_row(_mm512_and_si512(byte, nibble), _mm512_and_si512(_mm512_srli_epi32(byte, 4), nibble), s, z,
+                      interleave, out + (4 * j + b) * 16);
+            }
         }
+        return;
+    }
+    for (int j = 0; j < 8; j++) {
+        __m512i d = _mm512_i32gather_epi32(rows, (const void *)(w + step * 32 + 4 * j), 1);
+        /* sign-extended bytes 0..3 of each lane: shift the byte to the top, then arithmetic shift down */
+        b_row(_mm512_srai_epi32(_mm512_slli_epi32(d, 24), 24), _mm512_srai_epi32(_mm512_slli_epi32(d, 16), 24), s, z,
+              interleave, out + (2 * j) * 16);
+        b_row(_mm512_srai_epi32(_mm512_slli_epi32(d, 8), 24), _mm512_srai_epi32(d, 24), s, z, interleave,
+              out + (2 * j + 1) * 16);
     }
 }
 
 /* The panel of columns n0..n0+31: steps x 2 B tiles of 16 x 16 dwords. */
-static void panel(const int32_t *packed, int64_t ps, const float *scales_t, const float *zeros_t, int64_t group,
-                  int64_t n, int64_t n0, int64_t k, uint32_t *out) {
-    /* the panel's 32 rows are one contiguous block of codes, read in 16-byte pieces of 16 rows at a time:
-     * fetch it all first, the misses overlapping, instead of one gather's misses at a time */
-    const char *codes = (const char *)(packed + n0 * ps);
-    for (int64_t off = 0; off < 32 * ps * 4; off += 64) _mm_prefetch(codes + off, _MM_HINT_T0);
+static void panel(const uint8_t *codes, int64_t row_bytes, int bits, const float *scales_t, const float *zeros_t,
+                  int64_t group, int64_t n, int64_t n0, int64_t k, uint32_t *out) {
+    /* the panel's 32 rows are one contiguous block of codes, read 4 bytes of 16 rows at a time: fetch it all
+     * first, the misses overlapping */
+    const char *block = (const char *)(codes + n0 * row_bytes);
+    for (int64_t off = 0; off < 32 * row_bytes; off += 64) _mm_prefetch(block + off, _MM_HINT_T0);
+    float zero = bits == 4 ? 8.0f : 0.0f; /* symmetric: stored values are q + 8 (W4), q (W8) */
     for (int64_t step = 0; step < k / 32; step++) {
         int64_t g = step * 32 / group;
         for (int t = 0; t < 2; t++) {
             int64_t c = n0 + 16 * t;
             __m512 s = _mm512_loadu_ps(scales_t + g * n + c);
-            __m512 z = zeros_t ? _mm512_loadu_ps(zeros_t + g * n + c) : _mm512_set1_ps(8.0f);
-            b_tile((const uint8_t *)(packed + c * ps), ps * 4, s, z, step, out + (step * 2 + t) * 256);
+            __m512 z = zeros_t ? _mm512_loadu_ps(zeros_t + g * n + c) : _mm512_set1_ps(zero);
+            b_tile(codes + c * row_bytes, row_bytes, bits, s, z, step, out + (step * 2 + t) * 256);
         }
     }
 }
@@ -118,12 +139,15 @@ int llmopt_amx_available(void) {
 #endif
 }
 
-/* x: bf16 [mp][K] contiguous, mp = M rounded up to 32 (the caller zero-pads); y: fp32 or bf16 (elem 0 / 1)
- * [M][N], row stride ys. 0: done, 1: bad shape or no AMX, 2: out of memory. */
-int llmopt_amx_w4_matmul(const uint16_t *x, const int32_t *packed, int64_t ps, const float *scales_t,
+/* x: bf16 [mp][K] contiguous, mp = M rounded up to 32 (the caller zero-pads); codes: W4 (bits 4) int32
+ * [N][>= K/8] or W8 (bits 8) int8 [N][>= K], rows row_bytes apart; y: fp32 or bf16 (elem 0 / 1) [M][N], row
+ * stride ys. 0: done, 1: bad shape or no AMX, 2: out of memory. */
+int llmopt_amx_wq_matmul(const uint16_t *x, const void *codes, int64_t row_bytes, int bits, const float *scales_t,
                          const float *zeros_t, int64_t group, void *y, int64_t ys, int elem, int64_t m, int64_t n,
                          int64_t k) {
-    if (!llmopt_amx_available() || n % 32 || k % 32 || group <= 0 || group % 32 || k % group || ps * 8 < k) return 1;
+    if (!llmopt_amx_available() || n % 32 || k % 32 || group <= 0 || group % 32 || k % group || (bits != 4 && bits != 8)
+        || row_bytes * (bits == 4 ? 2 : 1) < k)
+        return 1;
 #if AMX
     int threads = 1;
 #ifdef _OPENMP
@@ -150,7 +174,8 @@ int llmopt_amx_w4_matmul(const uint16_t *x, const int32_t *packed, int64_t ps, c
         for (int64_t first = 0; first < panels; first += per_group) {
             int64_t count = panels - first < per_group ? panels - first : per_group;
             for (int64_t q = 0; q < count; q++)
-                panel(packed, ps, scales_t, zeros_t, group, n, 32 * (first + q), k, bp + q * panel_dwords);
+                panel((const uint8_t *)codes, row_bytes, bits, scales_t, zeros_t, group, n, 32 * (first + q), k,
+                      bp + q * panel_dwords);
             for (int64_t m0 = 0; m0 < mp; m0 += 32) {
                 const uint16_t *xa = x + m0 * k;
                 int64_t rows = m - m0 < 32 ? m - m0 : 32;
@@ -184,7 +209,7 @@ int llmopt_amx_w4_matmul(const uint16_t *x, const int32_t *packed, int64_t ps, c
     free(buffers);
     return 0;
 #else
-    (void)x; (void)scales_t; (void)zeros_t; (void)y; (void)ys; (void)elem; (void)m;
+    (void)x; (void)codes; (void)scales_t; (void)zeros_t; (void)y; (void)ys; (void)elem; (void)m;
     return 1;
 #endif
 }
