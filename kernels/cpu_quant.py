@@ -43,10 +43,11 @@ _INT4_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu acc
 DEQUANT_MIN_ROWS_W4 = 128
 DEQUANT_MIN_ROWS_W8 = 64
 # Where the native prefill kernels take the layer (`cpu_prefill`), they take over from fewer rows: summed
-# over SmolLM2's four projections, 1 thread, AMX W4 2.1 ms vs torch's int4 kernel 3.7 at 16 rows (1.8 vs 2.1
-# at 8); W8 through the dequantized scratch 1.8 ms vs torch's int8 kernel 3.0 at 32 rows (1.5 vs 1.7 at 16).
+# over SmolLM2's four projections, 1 thread, AMX W4 2.1 ms vs torch's int4 kernel 3.7 at 16 rows (2.1 vs 1.8
+# at 8); AMX W8 0.9 ms vs torch's int8 kernel 1.4 at 16 rows (1.0 vs 0.7 at 8). Without AMX (the dequantized
+# scratch + oneDNN) the crossover is nearer 16-32 rows.
 PREFILL_MIN_ROWS_W4 = 16
-PREFILL_MIN_ROWS_W8 = 32
+PREFILL_MIN_ROWS_W8 = 16
 
 
 @dataclass(frozen=True)
