@@ -6,10 +6,11 @@ Every projection gets its kernels here, once, at load time (see `linear.RoutedLi
 |---|---|---|
 | dense fp32 | MKL on W.T for 1 row, oneDNN beyond | native GEMV up to GEMV_MAX_ROWS, oneDNN beyond |
 | dense bf16 | oneDNN | native GEMV up to GEMV_MAX_ROWS, oneDNN beyond |
-| W4A16 | torch's int4 kernel, else a dense copy | native GEMV up to W4_MAX_ROWS, then as cpu-torch |
-| W8A16 | torch's int8 kernel, else a dense copy | native GEMV up to W8_MAX_ROWS, then as cpu-torch |
+| W4A16 | torch's int4 kernel, the prefill kernel from 16 rows; else a dense copy | native GEMV up to W4_MAX_ROWS, then as cpu-torch or (no torch kernel) the prefill kernel |
+| W8A16 | torch's int8 kernel, the prefill kernel from 16 rows; else a dense copy | native GEMV up to W8_MAX_ROWS, then as cpu-torch or (no torch kernel) the prefill kernel |
 | W8A8 | fbgemm, else the exact twin | as cpu-torch |
 
+"the prefill kernel": `cpu_prefill` (AMX, else a dequantized bf16 scratch + oneDNN), no copy of the weight.
 "a dense copy": no torch CPU kernel takes the layout (group-wise int8, odd shapes), and the exact twin
 would dequantize the whole weight on every call (~8x slower than dense here), so it is dequantized once:
 as the layer itself (cpu-torch, or cpu-native where the GEMV cannot take it either), or as the layer's
