@@ -18,7 +18,7 @@ becoming compute-bound on unpacking:
   symmetric per-token twin (same error level, checked in tests/kernels/test_linear.py).
 
 The packed weight-only kernels are GEMV kernels: from PREFILL_MIN_ROWS_* rows (prefill) they
-lose to the native prefill kernels (`cpu_prefill`: AMX on W4, else a dequantized bf16 scratch +
+lose to the native prefill kernels (`cpu_prefill`: AMX, else a dequantized bf16 scratch +
 oneDNN), so the weight-only paths switch there; where those cannot take the layout, from
 DEQUANT_MIN_ROWS_* rows to a transient bf16 weight dequantized by torch ops + a bf16 GEMM.
 fbgemm's int8 GEMM stays fastest at every batch size.
@@ -62,7 +62,7 @@ class Int4CpuWeight:
     scales_and_zeros: torch.Tensor  # bf16 [K/group, N, 2]
     group_size: int
     source: tuple  # (weight_packed, weight_scale, in_features, weight_zero_point, group_size)
-    prefill: "PrefillWeight | None" = None  # the native dequantizer's view, where it takes the layout
+    prefill: "PrefillWeight | None" = None  # the prefill kernels' view, where they take the layout
 
 
 def _cpu_group(in_features: int, group_size: int) -> int | None:
@@ -119,7 +119,7 @@ class Int8CpuWeight:
     weight: torch.Tensor  # int8 [N, K]
     scale: torch.Tensor  # bf16 [N]
     zero_scale: torch.Tensor | None  # fp32 [N] = zp * scale, or None when symmetric
-    prefill: "PrefillWeight | None" = None  # the native dequantizer's view, where it takes the layout
+    prefill: "PrefillWeight | None" = None  # the prefill kernels' view, where they take the layout
 
 
 def pack_w8a16_for_cpu(weight, weight_scale, weight_zero_point=None):
@@ -185,4 +185,3 @@ def w8a8_cpu_matmul(x, weight: Int8DynamicCpuWeight):
     row_max = x2.abs().amax(-1, keepdim=True).clamp_min(1e-12)
     y = torch.ops.quantized.linear_dynamic(x2 / row_max, weight.packed, False) * row_max
     return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
-
