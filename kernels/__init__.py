@@ -64,6 +64,9 @@ Native CPU kernels (`cpu_native`: C in `csrc/`, built with gcc at first use; `av
         batch-invariant; fp32 arithmetic (W4A16 and W8A16 too)
     cpu_native.add_rms_norm / silu_mul / rope_: a layer's small ops, one call each
     cpu_native.DecodeLayers(...).run(...): every decoder layer of a decode step in one call (`fused_decode`)
+    cpu_prefill.prefill_matmul(x, pack_w4a16_prefill(...) / pack_w8a16_prefill(...))
+        prefill-sized W4A16/W8A16 matmuls: AMX on panels dequantized into tile layout (`csrc/amx_wq.c`), else
+        a bf16 scratch dequantized natively (`csrc/dequant.c`) + oneDNN; bf16 activations, fp32 sums
 CPU policy: `cpu_linear` (DenseLinear, oneDNN row buckets and their prebuild), `cpu_attention` (paged
 attention and decode grouping), `cpu_quant` (torch's packed kernels and their numerics: bf16 activations
 for W4A16/W8A16, fbgemm per-token int8 for W8A8).

@@ -6,10 +6,11 @@ Every projection gets its kernels here, once, at load time (see `linear.RoutedLi
 |---|---|---|
 | dense fp32 | MKL on W.T for 1 row, oneDNN beyond | native GEMV up to GEMV_MAX_ROWS, oneDNN beyond |
 | dense bf16 | oneDNN | native GEMV up to GEMV_MAX_ROWS, oneDNN beyond |
-| W4A16 | torch's int4 kernel, else a dense copy | native GEMV up to W4_MAX_ROWS, then as cpu-torch |
-| W8A16 | torch's int8 kernel, else a dense copy | native GEMV up to W8_MAX_ROWS, then as cpu-torch |
+| W4A16 | torch's int4 kernel, the prefill kernel from 16 rows; else a dense copy | native GEMV up to W4_MAX_ROWS, then as cpu-torch or (no torch kernel) the prefill kernel |
+| W8A16 | torch's int8 kernel, the prefill kernel from 16 rows; else a dense copy | native GEMV up to W8_MAX_ROWS, then as cpu-torch or (no torch kernel) the prefill kernel |
 | W8A8 | fbgemm, else the exact twin | as cpu-torch |
 
+"the prefill kernel": `cpu_prefill` (AMX, else a dequantized bf16 scratch + oneDNN), no copy of the weight.
 "a dense copy": no torch CPU kernel takes the layout (group-wise int8, odd shapes), and the exact twin
 would dequantize the whole weight on every call (~8x slower than dense here), so it is dequantized once:
 as the layer itself (cpu-torch, or cpu-native where the GEMV cannot take it either), or as the layer's
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_native, cpu_quant
+from . import cpu_native, cpu_prefill, cpu_quant
 from ._backend import KernelBackendError
 from .cpu_attention import GROUP_OVERHEAD_KEYS, CpuAttention, NativeCpuAttention
 from .cpu_linear import DenseLinear, NativeLinear, prebuild_row_buckets
@@ -144,7 +145,7 @@ class CpuNativeBackend(CpuTorchBackend):
         native = native_linear(layer)
         if native is None:
             return self._torch_route(fmt, layer)
-        large = self._torch_kernel(fmt, layer)
+        large = self._torch_kernel(fmt, layer) or prefill_kernel(layer)
         if large is None:  # beyond the GEMV's rows: a dense copy, on oneDNN
             layer.dense = DenseLinear(dequantized(layer).to(self.dtype or torch.float32), layer.bias).prepare(False)
             large = layer.dense.forward
@@ -195,3 +196,18 @@ def native_linear(layer: QuantLinear) -> NativeLinear | None:
         weight = cpu_native.Int8Weight(layer.weight, layer.weight_scale.reshape(n, -1), layer.weight_zero_point, group)
         return NativeLinear(weight, layer.bias, cpu_native.W8_MAX_ROWS)
     return None
+
+
+def prefill_kernel(layer: QuantLinear):
+    """Where torch has no kernel for a weight-only layout: its weight dequantized per call into a bf16 scratch,
+    then a bf16 GEMM (`cpu_prefill.prefill_matmul`), instead of a dense copy kept for good; None where
+    the dequantizer does not take the layout either."""
+    if isinstance(layer, W4A16Linear):
+        weight = cpu_prefill.pack_w4a16_prefill(layer.weight_packed, layer.weight_scale, layer.in_features,
+                                              layer.weight_zero_point, layer.group_size)
+    elif isinstance(layer, W8A16Linear):
+        weight = cpu_prefill.pack_w8a16_prefill(layer.weight, layer.weight_scale, layer.weight_zero_point,
+                                              layer.group_size)
+    else:
+        return None
+    return None if weight is None else lambda x: layer.add_bias(cpu_prefill.prefill_matmul(x, weight))

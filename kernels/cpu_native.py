@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = [_CSRC / name for name in ("paged_decode.c", "gemv.c", "ops.c", "layer.c")]
+SOURCES = [_CSRC / name for name in ("paged_decode.c", "gemv.c", "ops.c", "layer.c", "dequant.c", "amx_wq.c")]
 HEADERS = [_CSRC / "llmopt.h"]
 # Compiled with -ffast-math (vectorised reductions and expf), linked without it: linked with it, gcc adds
 # crtfastmath.o, which switches the whole process to flush-denormals-to-zero when the library loads.
@@ -465,3 +465,14 @@ class DecodeLayers:
         if rc:
             raise RuntimeError(f"decode_layers failed (code {rc})")
         return out
+
+
+def native_function(name: str, argtypes: list, restype=ctypes.c_int):
+    """The library's C function `name` with its ctypes signature set (for kernels bound outside this module),
+    or None where the library is not available."""
+    lib = _library()
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn

@@ -17,9 +17,11 @@ becoming compute-bound on unpacking:
   over the batch's [min, max] of the normalised rows, so numerics differ slightly from the
   symmetric per-token twin (same error level, checked in tests/kernels/test_linear.py).
 
-The packed weight-only kernels are GEMV kernels: from DEQUANT_MIN_ROWS_* rows (prefill) they
-lose to a transient bf16 weight + bf16 GEMM, so the weight-only paths switch there (the
-transient weight lives for one call). fbgemm's int8 GEMM stays fastest at every batch size.
+The packed weight-only kernels are GEMV kernels: from PREFILL_MIN_ROWS_* rows (prefill) they
+lose to the native prefill kernels (`cpu_prefill`: AMX, else a dequantized bf16 scratch +
+oneDNN), so the weight-only paths switch there; where those cannot take the layout, from
+DEQUANT_MIN_ROWS_* rows to a transient bf16 weight dequantized by torch ops + a bf16 GEMM.
+fbgemm's int8 GEMM stays fastest at every batch size.
 
 Each `pack_*` returns None for shapes/layouts its kernel cannot take; the CPU backends
 (`cpu_backends`) then route the layer elsewhere. Nothing here is imported by the Triton path.
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cpu_prefill import PrefillWeight, pack_w4a16_prefill, pack_w8a16_prefill, prefill_matmul
 from .wq_matmul import dequantize, resolve_group_size, unpack_int4_stored, unpack_zero_point_stored, w4a16_dequantize
 
 _INT4_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu accepts
@@ -39,6 +42,12 @@ _INT4_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu acc
 # the 576x49152 lm_head's transient weight spills the cache, hence the margin).
 DEQUANT_MIN_ROWS_W4 = 128
 DEQUANT_MIN_ROWS_W8 = 64
+# Where the native prefill kernels take the layer (`cpu_prefill`), they take over from fewer rows: summed
+# over SmolLM2's four projections, 1 thread, AMX W4 2.1 ms vs torch's int4 kernel 3.7 at 16 rows (2.1 vs 1.8
+# at 8); AMX W8 0.9 ms vs torch's int8 kernel 1.4 at 16 rows (1.0 vs 0.7 at 8). Without AMX (the dequantized
+# scratch + oneDNN) the crossover is nearer 16-32 rows.
+PREFILL_MIN_ROWS_W4 = 16
+PREFILL_MIN_ROWS_W8 = 16
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,7 @@ class Int4CpuWeight:
     scales_and_zeros: torch.Tensor  # bf16 [K/group, N, 2]
     group_size: int
     source: tuple  # (weight_packed, weight_scale, in_features, weight_zero_point, group_size)
+    prefill: "PrefillWeight | None" = None  # the prefill kernels' view, where they take the layout
 
 
 def _cpu_group(in_features: int, group_size: int) -> int | None:
@@ -80,17 +90,21 @@ def pack_w4a16_for_cpu(weight_packed, weight_scale, in_features, weight_zero_poi
     sz = torch.stack([scale, zero], dim=-1).repeat_interleave(reps, dim=1)[:, :groups]  # [N, K/g, 2]
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     source = (weight_packed, weight_scale, in_features, weight_zero_point, group_size)
-    return Int4CpuWeight(packed, sz.transpose(0, 1).contiguous().to(torch.bfloat16), g, source)
+    return Int4CpuWeight(packed, sz.transpose(0, 1).contiguous().to(torch.bfloat16), g, source,
+                         pack_w4a16_prefill(*source))
 
 
 def w4a16_cpu_matmul(x, weight: Int4CpuWeight):
     """x [..., K] @ W.T on bf16 activations; returns x's dtype.
 
-    Few rows (decode): the int4 kernel, which streams 4-bit weights. From DEQUANT_MIN_ROWS_W4
-    rows (prefill) that kernel is slower than dequantizing a transient bf16 weight and
-    running a bf16 GEMM, whose cost the rows amortise.
+    Few rows (decode): the int4 kernel, which streams 4-bit weights. From PREFILL_MIN_ROWS_W4
+    rows the native prefill kernel (`cpu_prefill`), where it takes the layout; without it, from
+    DEQUANT_MIN_ROWS_W4 rows a transient bf16 weight dequantized by torch ops and a bf16 GEMM.
     """
-    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] >= PREFILL_MIN_ROWS_W4 and weight.prefill is not None:  # fp32 x keeps an fp32 output
+        return prefill_matmul(x2, weight.prefill).view(*x.shape[:-1], weight.prefill.out_features)
+    x2 = x2.to(torch.bfloat16)
     if x2.shape[0] >= DEQUANT_MIN_ROWS_W4:
         y = torch.nn.functional.linear(x2, w4a16_dequantize(*weight.source, dtype=torch.bfloat16))
     else:
@@ -105,6 +119,7 @@ class Int8CpuWeight:
     weight: torch.Tensor  # int8 [N, K]
     scale: torch.Tensor  # bf16 [N]
     zero_scale: torch.Tensor | None  # fp32 [N] = zp * scale, or None when symmetric
+    prefill: "PrefillWeight | None" = None  # the prefill kernels' view, where they take the layout
 
 
 def pack_w8a16_for_cpu(weight, weight_scale, weight_zero_point=None):
@@ -113,13 +128,17 @@ def pack_w8a16_for_cpu(weight, weight_scale, weight_zero_point=None):
         return None
     scale = weight_scale.reshape(-1).float()
     zero_scale = None if weight_zero_point is None else weight_zero_point.reshape(-1).float() * scale
-    return Int8CpuWeight(weight.contiguous(), scale.to(torch.bfloat16), zero_scale)
+    weight = weight.contiguous()
+    return Int8CpuWeight(weight, scale.to(torch.bfloat16), zero_scale,
+                         pack_w8a16_prefill(weight, weight_scale, weight_zero_point, weight.shape[1]))
 
 
 def w8a16_cpu_matmul(x, weight: Int8CpuWeight):
-    """x [..., K] @ W.T on bf16 activations (int8 kernel; transient bf16 weight from
-    DEQUANT_MIN_ROWS_W8 rows, as for W4); returns x's dtype."""
+    """x [..., K] @ W.T on bf16 activations (int8 kernel; the prefill kernel from PREFILL_MIN_ROWS_W8
+    rows, else a transient bf16 weight from DEQUANT_MIN_ROWS_W8 rows, as for W4); returns x's dtype."""
     x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] >= PREFILL_MIN_ROWS_W8 and weight.prefill is not None:  # zero points folded in the weight
+        return prefill_matmul(x2, weight.prefill).view(*x.shape[:-1], weight.prefill.out_features)
     if x2.shape[0] >= DEQUANT_MIN_ROWS_W8:
         dense = dequantize(weight.weight, weight.scale, None, -1, torch.bfloat16)  # [N, K]
         y = torch.nn.functional.linear(x2.to(torch.bfloat16), dense).to(x.dtype)

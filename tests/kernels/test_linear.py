@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmopt.kernels import W4A16Linear, W8A8Linear, cpu_native, select_backend, w4a16_dequantize, w4a16_matmul
+from llmopt.kernels import W4A16Linear, W8A8Linear, cpu_native, cpu_prefill, select_backend, w4a16_dequantize, \
+    w4a16_matmul
 from llmopt.kernels.cpu_linear import DenseLinear
 from llmopt.kernels.cpu_quant import Int4CpuWeight, Int8CpuWeight, Int8DynamicCpuWeight, fbgemm_available
 from tests.kernels.helpers import kernel_names, quantize_int4, quantize_int8
@@ -146,29 +147,31 @@ def _group_wise_int8(n, k, group):
     return t | {"weight_scale": t["weight_scale"].repeat(1, k // group)}  # [N, K / group]: equal, yet group-wise
 
 
-NATIVE_CASES = {  # (format, tensors, group size, the kernel beyond the GEMV's rows)
+NATIVE_CASES = {  # (format, tensors, group size, the kernel just beyond the GEMV's rows)
     "w4-int4pack": ("w4a16", lambda: quantize_int4(torch.randn(64, 128), 32, False), 32,
                     "aten::_weight_int4pack_mm_for_cpu"),
-    "w4-n36-dense": ("w4a16", lambda: quantize_int4(torch.randn(36, 128), 32, True), 32,  # N % 16: no int4 kernel
-                     "mkldnn::_linear_pointwise"),
+    "w4-n36-prefill": ("w4a16", lambda: quantize_int4(torch.randn(36, 128), 32, True), 32,  # N % 16: no int4 kernel
+                       "llmopt::dequantize_w4"),
     "w8-int8pack": ("w8a16", lambda: quantize_int8(torch.randn(64, 128)), None, "aten::_weight_int8pack_mm"),
-    "w8-group-dense": ("w8a16", lambda: _group_wise_int8(64, 128, 32), 32, "mkldnn::_linear_pointwise"),
+    "w8-group-prefill": ("w8a16", lambda: _group_wise_int8(64, 128, 32), 32,
+                         "llmopt::amx_w8_matmul" if cpu_prefill.amx_available() else "llmopt::dequantize_w8"),
 }
 
 
 @needs_gemv
 @pytest.mark.parametrize("case", NATIVE_CASES)
 def test_native_quantized_routes_by_row_count(case):
-    # the GEMV up to its rows; beyond, torch's kernel where one takes the layout, else the dense copy on oneDNN
+    # the GEMV up to its rows; beyond, torch's kernel where one takes the layout, else the prefill kernels
+    # (tests/kernels/test_cpu_prefill.py follows every row count); never a dense copy
     fmt, make, group, beyond = NATIVE_CASES[case]
     t = make()
     layer = select_backend("cpu-native").quantized_linear(fmt, t, group)
     most = cpu_native.W4_MAX_ROWS if fmt == "w4a16" else cpu_native.W8_MAX_ROWS
     assert layer.native is not None and layer.native.max_rows == most
-    assert (layer.dense is not None) == (beyond == "mkldnn::_linear_pointwise")
+    assert layer.dense is None
     reference = select_backend("reference").quantized_linear(fmt, t, group)
-    for rows in (1, most, most + 1, 40):
+    for rows in (1, most, most + 1):
         x = torch.randn(rows, 128)
         assert kernel_names(lambda: layer(x))[0] == (f"llmopt::gemv_w{fmt[1]}" if rows <= most else beyond), rows
-        tol = 1e-5 if rows <= most or beyond.startswith("mkldnn") else CPU_REL_ERR  # fp32 vs bf16 kernels
+        tol = 1e-5 if rows <= most else CPU_REL_ERR  # fp32 vs bf16 kernels
         assert _rel_err(layer(x), reference(x).double()) < tol

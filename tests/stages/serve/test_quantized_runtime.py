@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from llmopt.kernels import W4A16Linear, W8A8Linear, W8A16Linear, cpu_native
+from llmopt.kernels import W4A16Linear, W8A8Linear, W8A16Linear, cpu_native, cpu_prefill
 from llmopt.kernels.cpu_linear import DenseLinear
 from llmopt.kernels.op_backends import TorchLinear
 from llmopt.stages.model_io import load_model_dir
@@ -137,12 +137,12 @@ def test_quantized_linears_are_fused_with_recorded_group_sizes(artifacts, backen
     assert layer.qkv.cpu_weight is not None and layer.gate_up.out_features == 256
     assert (layer.qkv.native is not None) == (backend == "cpu-native")
     assert isinstance(load_runtime(str(artifacts("w8-channel")), backend=backend)[0].layers[1].gate_up, W8A16Linear)
-    # no torch CPU kernel for group-wise int8: dequantized once to a dense weight instead of on every call,
-    # kept beside the int8 weight as the fallback beyond the native GEMV's rows where that GEMV runs
+    # no torch CPU kernel for group-wise int8: on cpu-native the GEMV, then the prefill kernel (dequantized per
+    # call into a scratch, `cpu_prefill`) beyond its rows; on cpu-torch dequantized once to a dense weight
     gate_up = load_runtime(str(artifacts("w8-group")), backend=backend)[0].layers[1].gate_up
     if backend == "cpu-native":
-        assert isinstance(gate_up, W8A16Linear) and isinstance(gate_up.dense, DenseLinear)
-        assert gate_up.native is not None and gate_up.dense.native is None
+        assert isinstance(gate_up, W8A16Linear) and gate_up.native is not None
+        assert (gate_up.dense is None) == cpu_prefill.prefill_available()
     else:
         assert isinstance(gate_up, DenseLinear) and gate_up.native is None
     assert isinstance(load_runtime(str(artifacts("w8-group")), backend="reference")[0].layers[1].gate_up,
