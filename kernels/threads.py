@@ -1,0 +1,152 @@
+"""How many CPU threads the kernels may use, and how idle OpenMP threads wait.
+
+A process may run on fewer CPUs than `os.cpu_count()` says: its affinity mask (taskset, a cpuset)
+limits which cores it runs on, and a CPU quota (a Kubernetes CPU limit, `docker --cpus`; the cgroup's
+`cpu.max`, or `cpu.cfs_quota_us` / `cpu.cfs_period_us` under cgroup v1) limits how much of them it
+gets. More threads than that gives each parallel region a straggler, so `usable_cpus` takes the
+smallest of the affinity count and the quota rounded up, unless `--threads` says otherwise, and names
+what decided it ("2 (affinity)", "1 (cgroup cpu.max 100000/100000)", "4 (--threads)").
+
+torch's intra-op pool and our C kernels (`cpu_native`) share one libgomp. Its idle threads spin for
+about 3 ms after each parallel region by default, which steals a core from whoever shares it; the
+process then slows far beyond its share when another process is busy on one of its cores.
+`prefer_passive_wait` asks for sleeping waiters (OMP_WAIT_POLICY=PASSIVE) unless the user chose a
+policy; libgomp reads it once, when it loads, so it must run before torch is imported (the CLI's
+entry point calls it first thing). docs/serve.md ("Threads") has the measurements behind the policy.
+
+Standard library only at import time: the CLI imports this before anything else.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+# Set when absent: sleeping waiters, no spinning (a GOMP_SPINCOUNT of the user's still wins in libgomp).
+PASSIVE_WAIT = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@dataclass(frozen=True)
+class ThreadCount:
+    """A thread count and what decided it."""
+
+    count: int
+    reason: str  # "affinity", "cgroup cpu.max 100000/100000", "--threads"
+
+    def __str__(self) -> str:
+        return f"{self.count} ({self.reason})"
+
+
+def check_threads(threads: int | None) -> None:
+    """A ValueError with a one-line message for a thread count below 1 (None: detect)."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"--threads must be a whole number of at least 1 (got {threads!r})")
+
+
+def usable_cpus(threads: int | None = None, *, affinity: set[int] | None = None,
+                cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> ThreadCount:
+    """`threads` when given (`--threads`), else the CPUs this process may use: its affinity mask, capped
+    by a cgroup CPU quota rounded up. `affinity`, `cgroup_root` and `proc_cgroup` are for tests."""
+    check_threads(threads)
+    if threads is not None:
+        return ThreadCount(threads, "--threads")
+    cpus = len(affinity if affinity is not None else _affinity())
+    best = ThreadCount(max(1, cpus), "affinity")
+    quota = cgroup_quota(cgroup_root, proc_cgroup)
+    if quota is not None:
+        limit = max(1, math.ceil(quota[1] / quota[2]))
+        if limit < best.count:
+            best = ThreadCount(limit, f"cgroup {quota[0]} {quota[1]}/{quota[2]}")
+    return best
+
+
+def _affinity() -> set[int]:
+    try:
+        return os.sched_getaffinity(0)
+    except (AttributeError, OSError):  # not Linux
+        return set(range(os.cpu_count() or 1))
+
+
+def cgroup_quota(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> tuple[str, int, int] | None:
+    """The tightest CPU quota over this process's cgroup and its ancestors, as (file, quota, period) in
+    microseconds; None when there is none (or no cgroup file could be read)."""
+    folders = _cgroup_folders(Path(cgroup_root), Path(proc_cgroup))
+    limits = [limit for folder in folders if (limit := _read_limit(folder))]
+    return min(limits, key=lambda q: q[1] / q[2], default=None)
+
+
+def _cgroup_folders(root: Path, proc_cgroup: Path) -> list[Path]:
+    """The folders that may hold this process's CPU limit: its own cgroup and every ancestor up to the
+    root, for cgroup v2 (`0::/path`) and for v1's cpu controller (`N:cpu,cpuacct:/path`). Inside a
+    container the namespace's root is the container's cgroup, so the root itself is always looked at."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    folders = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":
+            base = root
+        elif "cpu" in controllers.split(","):
+            base = root / controllers if (root / controllers).is_dir() else root / "cpu"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        folders += [base.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+    return folders + [root, root / "cpu"]
+
+
+def _read_limit(folder: Path) -> tuple[str, int, int] | None:
+    """(file, quota, period) of a cgroup folder's CPU limit: v2 `cpu.max` ("max 100000" is none), else v1's
+    `cpu.cfs_quota_us` (-1 is none) over `cpu.cfs_period_us`."""
+    text = _read(folder / "cpu.max")
+    if text is not None:
+        fields = text.split()
+        if len(fields) == 2 and fields[0].isdigit() and fields[1].isdigit() and int(fields[1]) > 0:
+            return "cpu.max", int(fields[0]), int(fields[1])
+        return None
+    quota, period = _read(folder / "cpu.cfs_quota_us"), _read(folder / "cpu.cfs_period_us")
+    if quota is not None and period is not None and quota.strip().isdigit() and period.strip().isdigit():
+        if int(quota) > 0 and int(period) > 0:
+            return "cpu.cfs_quota_us", int(quota), int(period)
+    return None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def prefer_passive_wait(environ=None) -> dict[str, str]:
+    """Set OMP_WAIT_POLICY=PASSIVE in `environ` (default os.environ) unless the user set a wait policy
+    there; returns what it set. Must run before libgomp loads (before `import torch`) to take effect;
+    child processes (tensor-parallel ranks) inherit it."""
+    environ = os.environ if environ is None else environ
+    set_now = {name: value for name, value in PASSIVE_WAIT.items() if name not in environ}
+    environ.update(set_now)
+    return set_now
+
+
+def apply_threads(count: ThreadCount) -> ThreadCount:
+    """Use `count` threads for torch's intra-op pool (and so for our C kernels, which share its libgomp)
+    and its inter-op pool. torch fixes the inter-op pool at its first use; past that it is left as it is."""
+    import torch
+
+    torch.set_num_threads(count.count)
+    try:
+        torch.set_num_interop_threads(count.count)
+    except RuntimeError:  # already started, or already set once in this process
+        pass
+    return count
+
+
+def describe(count: ThreadCount, environ=None) -> str:
+    """The start-up line: "threads: 2 (affinity), OpenMP waits PASSIVE"."""
+    environ = os.environ if environ is None else environ
+    return f"threads: {count}, OpenMP waits {environ.get('OMP_WAIT_POLICY', 'by libgomp default (spinning)')}"
