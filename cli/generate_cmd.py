@@ -75,14 +75,15 @@ def run(source: Source, prompt: Prompt = None, input: Input = None, output: Outp
 
 
 def _load(source: str, config: ServeConfig):
-    from llmopt.kernels.threads import apply_threads, usable_cpus
+    from llmopt.kernels.threads import apply_threads, governor_for, usable_cpus
     from llmopt.stages.model_io import parse_dtype
     from llmopt.stages.serve.build import build_engine
 
-    apply_threads(usable_cpus(config.threads))  # before the model's first parallel region
-
+    count = apply_threads(usable_cpus(config.threads))  # before the model's first parallel region
     with err.status(f"loading {source}"):
-        return build_engine(source, config.engine, config.device, parse_dtype(config.dtype), config.backend)
+        engine = build_engine(source, config.engine, config.device, parse_dtype(config.dtype), config.backend)
+    engine.thread_governor = governor_for(count) if config.device == "cpu" else None
+    return engine
 
 
 def _one(engine, record, params) -> None:

@@ -59,7 +59,7 @@ def run(source: Source,
         master_port: MasterPort = T.master_port, threads: Threads = DEFAULTS.threads) -> None:
     import logging
 
-    from llmopt.kernels.threads import apply_threads, describe, usable_cpus
+    from llmopt.kernels.threads import apply_threads, describe, governor_for, usable_cpus
     from llmopt.stages.model_io import parse_dtype
     from llmopt.stages.serve.build import build_engine
     from llmopt.stages.serve.http.server import serve
@@ -76,7 +76,9 @@ def run(source: Source,
 
     def load():
         logging.getLogger("llmopt.serve").info(describe(count))
-        return build_engine(source, config.engine, config.device, torch_dtype, config.backend, tp_options=config.tp)
+        engine = build_engine(source, config.engine, config.device, torch_dtype, config.backend, tp_options=config.tp)
+        engine.thread_governor = governor_for(count) if config.device == "cpu" else None
+        return engine
 
     serve(config.server, load)
 

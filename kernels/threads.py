@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,3 +151,79 @@ def describe(count: ThreadCount, environ=None) -> str:
     """The start-up line: "threads: 2 (affinity), OpenMP waits PASSIVE"."""
     environ = os.environ if environ is None else environ
     return f"threads: {count}, OpenMP waits {environ.get('OMP_WAIT_POLICY', 'by libgomp default (spinning)')}"
+
+
+def _cpu_busy_ticks(cpus: set[int], stat: Path = Path("/proc/stat")) -> int:
+    """Clock ticks `cpus` have spent busy since boot (anything but idle and iowait; steal counts: another
+    guest had the core)."""
+    busy = 0
+    for line in stat.read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            ticks = [int(f) for f in fields[:8]]
+            busy += sum(ticks) - ticks[3] - ticks[4]
+    return busy
+
+
+def _own_ticks(stat: Path = Path("/proc/self/stat")) -> int:
+    """Clock ticks this process has run (user + system), all its threads."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+class ThreadGovernor:
+    """One thread fewer for each core another process keeps busy, while it does; back up when it stops.
+
+    With two threads and a busy neighbour on one of the two cores, every parallel region waits for the
+    thread that shares its core, which runs half the time in slices of milliseconds: decode falls to a
+    few tokens a second. One thread on the free core keeps the single-thread speed. The thread that runs
+    the model calls `tick()` before each step; every `interval_s` it compares the busy time of the CPUs
+    it may use with its own, and after two samples that agree it changes torch's thread count (for the
+    calling thread, which is where the step's parallel regions start)."""
+
+    def __init__(self, count: ThreadCount, cpus: set[int], interval_s: float = 0.5, clock=time.monotonic,
+                 busy=_cpu_busy_ticks, own=_own_ticks, hz: int | None = None):
+        self.limit, self.cpus, self.interval_s, self.clock = count.count, set(cpus), interval_s, clock
+        self._busy, self._own, self.hz = busy, own, hz or os.sysconf("SC_CLK_TCK")
+        self.threads, self._pending = count.count, None
+        self._last = (clock(), busy(self.cpus), own())
+
+    def others(self) -> float | None:
+        """CPUs' worth of other processes' work on our CPUs since the last sample; None before `interval_s`."""
+        now = self.clock()
+        if now - self._last[0] < self.interval_s:
+            return None
+        sample = (now, self._busy(self.cpus), self._own())
+        (t0, busy0, own0), self._last = self._last, sample
+        return max(0.0, (sample[1] - busy0) - (sample[2] - own0)) / self.hz / (now - t0)
+
+    def tick(self) -> int | None:
+        """The new thread count when it changed in this call (torch's is set), else None."""
+        others = self.others()
+        if others is None:
+            return None
+        target = max(1, min(self.limit, self.limit - math.floor(others + 0.5)))
+        if target == self.threads or target != self._pending:
+            self._pending = target if target != self.threads else None
+            return None
+        import torch
+
+        torch.set_num_threads(target)
+        self.threads, self._pending = target, None
+        return target
+
+
+def governor_for(count: ThreadCount) -> ThreadGovernor | None:
+    """A governor when this process runs threads on every CPU it may use, more than one (a neighbour then
+    shares a core with one of them); None otherwise (one thread, --threads, a cgroup quota below the
+    affinity mask: the kernel can move our threads to the free cores; tensor-parallel ranks, which share the
+    CPUs and so run fewer threads than `count`), or where /proc cannot be read."""
+    import torch
+
+    cpus = _affinity()
+    if count.reason != "affinity" or count.count < 2 or not count.count == len(cpus) == torch.get_num_threads():
+        return None
+    try:
+        return ThreadGovernor(count, cpus)
+    except (OSError, ValueError, IndexError):
+        return None

@@ -149,3 +149,75 @@ def test_profile_and_offline_bench_use_the_detected_count_by_default(monkeypatch
     assert torch.get_num_threads() == before
     with machine.torch_threads(2) as count:
         assert count == 2
+
+
+class FakeProc:
+    """A clock and the /proc counters the governor reads, advanced by hand (100 ticks a second)."""
+
+    def __init__(self):
+        self.now, self.busy_ticks, self.own_ticks = 0.0, 0, 0
+
+    def advance(self, seconds: float, ours: float, others: float) -> None:
+        """`seconds` pass with `ours` and `others` CPUs' worth of work on our CPUs."""
+        self.now += seconds
+        self.own_ticks += round(ours * seconds * 100)
+        self.busy_ticks += round((ours + others) * seconds * 100)
+
+    def governor(self, count=ThreadCount(2, "affinity")):
+        from llmopt.kernels.threads import ThreadGovernor
+
+        return ThreadGovernor(count, {0, 1}, interval_s=0.5, clock=lambda: self.now,
+                              busy=lambda cpus: self.busy_ticks, own=lambda: self.own_ticks, hz=100)
+
+
+def test_the_governor_drops_a_thread_while_a_neighbour_holds_a_core_and_comes_back(torch_threads_kept):
+    proc = FakeProc()
+    governor = proc.governor()
+    proc.advance(0.2, ours=2.0, others=0.0)
+    assert governor.tick() is None and governor.others() is None  # not a whole interval yet
+    proc.advance(0.5, ours=1.0, others=1.0)  # a neighbour starts: one sample is not enough
+    assert governor.tick() is None and governor.threads == 2
+    proc.advance(0.5, ours=1.0, others=1.0)
+    assert governor.tick() == 1 and governor.threads == 1 == torch.get_num_threads()
+    proc.advance(0.5, ours=1.0, others=1.0)
+    assert governor.tick() is None and governor.threads == 1  # no change, nothing set
+    proc.advance(0.5, ours=1.0, others=0.0)
+    proc.advance(0.5, ours=1.0, others=0.0)
+    assert governor.tick() is None  # the neighbour left: seen once so far (the two advances are one sample)
+    proc.advance(0.5, ours=1.0, others=0.0)
+    assert governor.tick() == 2 and torch.get_num_threads() == 2
+
+
+def test_the_governor_ignores_a_blip_and_light_load(torch_threads_kept):
+    proc = FakeProc()
+    governor = proc.governor()
+    for others in (0.3, 1.0, 0.2, 0.4, 1.2, 0.0):  # never two busy samples in a row
+        proc.advance(0.5, ours=2.0, others=others)
+        assert governor.tick() is None and governor.threads == 2
+
+
+def test_a_governor_only_where_our_threads_fill_every_cpu_we_may_use(monkeypatch, torch_threads_kept):
+    from llmopt.kernels import threads
+
+    monkeypatch.setattr(threads, "_affinity", lambda: {0, 1})
+    torch.set_num_threads(2)
+    assert threads.governor_for(ThreadCount(2, "affinity")) is not None
+    torch.set_num_threads(1)  # a tensor-parallel rank: the CPUs are shared among the ranks
+    assert threads.governor_for(ThreadCount(2, "affinity")) is None
+    torch.set_num_threads(2)
+    for count in (ThreadCount(1, "affinity"), ThreadCount(2, "--threads"),
+                  ThreadCount(1, "cgroup cpu.max 100000/100000")):
+        assert threads.governor_for(count) is None
+
+
+def test_busy_ticks_of_the_cpus_we_may_use(tmp_path):
+    from llmopt.kernels.threads import _cpu_busy_ticks, _own_ticks
+
+    stat = tmp_path / "stat"  # user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text("cpu  30 0 6 900 9 0 0 3 0 0\ncpu0 10 0 2 500 4 0 0 1 0 0\ncpu1 20 0 4 400 5 0 0 2 0 0\n"
+                    "intr 5 6\n")
+    assert _cpu_busy_ticks({0}, stat) == 13 and _cpu_busy_ticks({0, 1}, stat) == 39 and _cpu_busy_ticks({7}, stat) == 0
+    self_stat = tmp_path / "self_stat"
+    self_stat.write_text("42 (a (b) c) R 1 42 42 0 -1 4194304 100 0 0 0 250 17 0 0 20 0 3 0 1 1 1\n")
+    assert _own_ticks(self_stat) == 267
+    assert _cpu_busy_ticks(set(range(os.cpu_count() or 1))) >= _own_ticks() >= 0  # this machine's files parse
