@@ -153,7 +153,7 @@ def describe(count: ThreadCount, environ=None) -> str:
     return f"threads: {count}, OpenMP waits {environ.get('OMP_WAIT_POLICY', 'by libgomp default (spinning)')}"
 
 
-def _cpu_busy_ticks(cpus: set[int], stat: Path = Path("/proc/stat")) -> int:
+def cpu_busy_ticks(cpus: set[int], stat: Path = Path("/proc/stat")) -> int:
     """Clock ticks `cpus` have spent busy since boot (anything but idle and iowait; steal counts: another
     guest had the core)."""
     busy = 0
@@ -165,7 +165,7 @@ def _cpu_busy_ticks(cpus: set[int], stat: Path = Path("/proc/stat")) -> int:
     return busy
 
 
-def _own_ticks(stat: Path = Path("/proc/self/stat")) -> int:
+def own_ticks(stat: Path = Path("/proc/self/stat")) -> int:
     """Clock ticks this process has run (user + system), all its threads."""
     fields = stat.read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])
@@ -182,7 +182,7 @@ class ThreadGovernor:
     calling thread, which is where the step's parallel regions start)."""
 
     def __init__(self, count: ThreadCount, cpus: set[int], interval_s: float = 0.5, clock=time.monotonic,
-                 busy=_cpu_busy_ticks, own=_own_ticks, hz: int | None = None):
+                 busy=cpu_busy_ticks, own=own_ticks, hz: int | None = None):
         self.limit, self.cpus, self.interval_s, self.clock = count.count, set(cpus), interval_s, clock
         self._busy, self._own, self.hz = busy, own, hz or os.sysconf("SC_CLK_TCK")
         self.threads, self._pending = count.count, None

@@ -211,13 +211,13 @@ def test_a_governor_only_where_our_threads_fill_every_cpu_we_may_use(monkeypatch
 
 
 def test_busy_ticks_of_the_cpus_we_may_use(tmp_path):
-    from llmopt.kernels.threads import _cpu_busy_ticks, _own_ticks
+    from llmopt.kernels.threads import cpu_busy_ticks, own_ticks
 
     stat = tmp_path / "stat"  # user nice system idle iowait irq softirq steal guest guest_nice
     stat.write_text("cpu  30 0 6 900 9 0 0 3 0 0\ncpu0 10 0 2 500 4 0 0 1 0 0\ncpu1 20 0 4 400 5 0 0 2 0 0\n"
                     "intr 5 6\n")
-    assert _cpu_busy_ticks({0}, stat) == 13 and _cpu_busy_ticks({0, 1}, stat) == 39 and _cpu_busy_ticks({7}, stat) == 0
+    assert cpu_busy_ticks({0}, stat) == 13 and cpu_busy_ticks({0, 1}, stat) == 39 and cpu_busy_ticks({7}, stat) == 0
     self_stat = tmp_path / "self_stat"
     self_stat.write_text("42 (a (b) c) R 1 42 42 0 -1 4194304 100 0 0 0 250 17 0 0 20 0 3 0 1 1 1\n")
-    assert _own_ticks(self_stat) == 267
-    assert _cpu_busy_ticks(set(range(os.cpu_count() or 1))) >= _own_ticks() >= 0  # this machine's files parse
+    assert own_ticks(self_stat) == 267
+    assert cpu_busy_ticks(set(range(os.cpu_count() or 1))) >= own_ticks() >= 0  # this machine's files parse
