@@ -5,9 +5,9 @@ import signal
 import sys
 import threading
 
-from llmopt.kernels.threads import prefer_passive_wait
+from llmopt.kernels.threads import choose_wait_policy
 
-prefer_passive_wait()  # libgomp reads its wait policy once, when torch loads it: before any command can import torch
+choose_wait_policy()  # libgomp reads its wait policy once, when torch loads it: before any command can import torch
 
 import typer
 from typer.exceptions import TyperException

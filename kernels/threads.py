@@ -8,11 +8,13 @@ smallest of the affinity count and the quota rounded up, unless `--threads` says
 what decided it ("2 (affinity)", "1 (cgroup cpu.max 100000/100000)", "4 (--threads)").
 
 torch's intra-op pool and our C kernels (`cpu_native`) share one libgomp. Its idle threads spin for
-about 3 ms after each parallel region by default, which steals a core from whoever shares it; the
-process then slows far beyond its share when another process is busy on one of its cores.
-`prefer_passive_wait` asks for sleeping waiters (OMP_WAIT_POLICY=PASSIVE) unless the user chose a
-policy; libgomp reads it once, when it loads, so it must run before torch is imported (the CLI's
-entry point calls it first thing). docs/serve.md ("Threads") has the measurements behind the policy.
+about 3 ms after each parallel region by default: fast while the cores are ours (waking a sleeping
+thread costs more than most regions of a decode step last), a collapse when another process is busy
+on one of them (batch-1 decode from ~110 to ~3 tok/s on 2 cores). So, on CPUs we have by affinity,
+`ThreadGovernor` runs one thread fewer per core that others keep busy, and back when they stop; under
+a cgroup quota, where spinning spends the quota, `choose_wait_policy` asks for sleeping waiters
+(OMP_WAIT_POLICY=PASSIVE). libgomp reads that once, when it loads, so the CLI calls it before anything
+imports torch; a policy the user set is kept. docs/serve.md ("Threads") has the measurements.
 
 Standard library only at import time: the CLI imports this before anything else.
 """
@@ -26,7 +28,7 @@ from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
-# Set when absent: sleeping waiters, no spinning (a GOMP_SPINCOUNT of the user's still wins in libgomp).
+# Under a CPU quota: sleeping waiters, no spinning (a GOMP_SPINCOUNT of the user's still wins in libgomp).
 PASSIVE_WAIT = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
@@ -48,7 +50,7 @@ def check_threads(threads: int | None) -> None:
 
 
 def usable_cpus(threads: int | None = None, *, affinity: set[int] | None = None,
-                cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> ThreadCount:
+                cgroup_root: Path | None = None, proc_cgroup: Path | None = None) -> ThreadCount:
     """`threads` when given (`--threads`), else the CPUs this process may use: its affinity mask, capped
     by a cgroup CPU quota rounded up. `affinity`, `cgroup_root` and `proc_cgroup` are for tests."""
     check_threads(threads)
@@ -71,10 +73,10 @@ def _affinity() -> set[int]:
         return set(range(os.cpu_count() or 1))
 
 
-def cgroup_quota(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> tuple[str, int, int] | None:
+def cgroup_quota(cgroup_root: Path | None = None, proc_cgroup: Path | None = None) -> tuple[str, int, int] | None:
     """The tightest CPU quota over this process's cgroup and its ancestors, as (file, quota, period) in
-    microseconds; None when there is none (or no cgroup file could be read)."""
-    folders = _cgroup_folders(Path(cgroup_root), Path(proc_cgroup))
+    microseconds; None when there is none (or no cgroup file could be read). Default paths: the module's."""
+    folders = _cgroup_folders(Path(cgroup_root or CGROUP_ROOT), Path(proc_cgroup or PROC_SELF_CGROUP))
     limits = [limit for folder in folders if (limit := _read_limit(folder))]
     return min(limits, key=lambda q: q[1] / q[2], default=None)
 
@@ -124,14 +126,22 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def prefer_passive_wait(environ=None) -> dict[str, str]:
-    """Set OMP_WAIT_POLICY=PASSIVE in `environ` (default os.environ) unless the user set a wait policy
-    there; returns what it set. Must run before libgomp loads (before `import torch`) to take effect;
-    child processes (tensor-parallel ranks) inherit it."""
+def choose_wait_policy(environ=None, count: ThreadCount | None = None) -> dict[str, str]:
+    """Set OMP_WAIT_POLICY=PASSIVE in `environ` (default os.environ) when a cgroup CPU quota decides the
+    thread count (`count`, default `usable_cpus()`), unless the user set a wait policy; returns what it set.
+
+    Under a quota a spinning thread spends the quota itself, and once it is spent the whole process
+    stops until the next period (100 ms by default). On CPUs this process has to itself (affinity, no
+    quota) libgomp keeps spinning: sleeping waiters halve batch-1 decode on a quiet 2-core VM, since
+    waking a thread costs more than most parallel regions last, and the `ThreadGovernor` handles a
+    neighbour there. Must run before libgomp loads (before `import torch`) to take effect; child
+    processes (tensor-parallel ranks) inherit it."""
     environ = os.environ if environ is None else environ
-    set_now = {name: value for name, value in PASSIVE_WAIT.items() if name not in environ}
-    environ.update(set_now)
-    return set_now
+    count = usable_cpus() if count is None else count
+    if not count.reason.startswith("cgroup") or "OMP_WAIT_POLICY" in environ:
+        return {}
+    environ.update(PASSIVE_WAIT)
+    return dict(PASSIVE_WAIT)
 
 
 def apply_threads(count: ThreadCount) -> ThreadCount:

@@ -9,7 +9,7 @@ import torch
 
 from llmopt.cli.main import main
 from llmopt.kernels.threads import (ThreadCount, apply_threads, cgroup_quota, check_threads, describe,
-                                    prefer_passive_wait, usable_cpus)
+                                    choose_wait_policy, usable_cpus)
 from llmopt.stages.errors import ConfigError
 from llmopt.stages.serve.config import ServeConfig
 
@@ -101,26 +101,37 @@ def test_the_commands_refuse_threads_below_one_in_one_line(argv, capsys):
     assert "--threads" in err and "at least 1" in err and len(err.splitlines()) == 1, err
 
 
-def test_passive_waiting_is_set_unless_the_user_chose(monkeypatch):
+def test_passive_waiting_under_a_quota_unless_the_user_chose():
+    quota = ThreadCount(1, "cgroup cpu.max 100000/100000")
     environ = {}
-    assert prefer_passive_wait(environ) == {"OMP_WAIT_POLICY": "PASSIVE"} and environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert choose_wait_policy(environ, quota) == {"OMP_WAIT_POLICY": "PASSIVE"} == environ
     mine = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert prefer_passive_wait(mine) == {} and mine == {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert choose_wait_policy(mine, quota) == {} and mine == {"OMP_WAIT_POLICY": "ACTIVE"}
+    alone = {}  # cores of our own by affinity: libgomp keeps spinning, the governor handles a neighbour
+    assert choose_wait_policy(alone, ThreadCount(2, "affinity")) == {} == alone
+    assert choose_wait_policy({}, ThreadCount(4, "--threads")) == {}
     assert describe(ThreadCount(2, "affinity"), environ) == "threads: 2 (affinity), OpenMP waits PASSIVE"
 
 
-# the module `python -m llmopt.cli.main` runs, and the console script's entry point running `llmopt --help`
+# how the CLI starts: the module `python -m llmopt.cli.main` runs, and the console script running `llmopt --help`
 CLI_STARTS = {"main": "import llmopt.cli.main",
               "entry": "sys.argv = ['llmopt', '--help']; from llmopt.cli.entry import main; main()"}
+# a process under a 1-CPU cgroup quota on 2 CPUs, from fake cgroup files (the module's default paths)
+FAKE_QUOTA = ("import llmopt.kernels.threads as t; from pathlib import Path; t.CGROUP_ROOT = Path({root!r}); "
+              "t.PROC_SELF_CGROUP = Path({proc!r}); t._affinity = lambda: {{0, 1}}")
 
 
 @pytest.mark.parametrize("start", CLI_STARTS)
-@pytest.mark.parametrize("given, expect", [(None, "PASSIVE False"), ("active", "active False")])
-def test_the_cli_sets_the_wait_policy_before_torch_loads(start, given, expect):
+@pytest.mark.parametrize("quota, given, expect", [(True, None, "PASSIVE False"), (True, "active", "active False"),
+                                                  (False, None, "None False")])
+def test_the_cli_sets_the_wait_policy_before_torch_loads(tmp_path, start, quota, given, expect):
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if given is not None:
         env["OMP_WAIT_POLICY"] = given
-    code = f"import os, sys; {CLI_STARTS[start]}; print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)"
+    paths = fake_cgroup(tmp_path, ["0::/"], {"cpu.max": "100000 100000" if quota else "max 100000"})
+    setup = FAKE_QUOTA.format(root=str(paths["cgroup_root"]), proc=str(paths["proc_cgroup"]))
+    code = (f"import os, sys; {setup}; {CLI_STARTS[start]}; "
+            "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.stdout.strip().splitlines()[-1] == expect, done.stderr
 
