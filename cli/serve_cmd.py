@@ -75,9 +75,12 @@ def run(source: Source,
         raise typer.Exit(run_worker_node(source, config.tp, config.device, torch_dtype, config.backend))
 
     def load():
-        logging.getLogger("llmopt.serve").info(describe(count))
+        log = logging.getLogger("llmopt.serve")
+        log.info(describe(count))
         engine = build_engine(source, config.engine, config.device, torch_dtype, config.backend, tp_options=config.tp)
-        engine.thread_governor = governor_for(count) if config.device == "cpu" else None
+        if config.device == "cpu":
+            engine.thread_governor = governor_for(count, on_change=lambda n, others: log.info(
+                "threads: %d, as other processes keep %.1f of our CPUs busy", n, others))
         return engine
 
     serve(config.server, load)

@@ -192,8 +192,10 @@ class ThreadGovernor:
     calling thread, which is where the step's parallel regions start)."""
 
     def __init__(self, count: ThreadCount, cpus: set[int], interval_s: float = 0.5, clock=time.monotonic,
-                 busy=cpu_busy_ticks, own=own_ticks, hz: int | None = None):
+                 busy=cpu_busy_ticks, own=own_ticks, hz: int | None = None, on_change=None):
+        """`on_change(threads, others)`: told each change, with the CPUs' worth of other work seen."""
         self.limit, self.cpus, self.interval_s, self.clock = count.count, set(cpus), interval_s, clock
+        self.on_change = on_change
         self._busy, self._own, self.hz = busy, own, hz or os.sysconf("SC_CLK_TCK")
         self.threads, self._pending = count.count, None
         self._last = (clock(), busy(self.cpus), own())
@@ -220,10 +222,12 @@ class ThreadGovernor:
 
         torch.set_num_threads(target)
         self.threads, self._pending = target, None
+        if self.on_change is not None:
+            self.on_change(target, others)
         return target
 
 
-def governor_for(count: ThreadCount) -> ThreadGovernor | None:
+def governor_for(count: ThreadCount, on_change=None) -> ThreadGovernor | None:
     """A governor when this process runs threads on every CPU it may use, more than one (a neighbour then
     shares a core with one of them); None otherwise (one thread, --threads, a cgroup quota below the
     affinity mask: the kernel can move our threads to the free cores; tensor-parallel ranks, which share the
@@ -234,6 +238,6 @@ def governor_for(count: ThreadCount) -> ThreadGovernor | None:
     if count.reason != "affinity" or count.count < 2 or not count.count == len(cpus) == torch.get_num_threads():
         return None
     try:
-        return ThreadGovernor(count, cpus)
+        return ThreadGovernor(count, cpus, on_change=on_change)
     except (OSError, ValueError, IndexError):
         return None

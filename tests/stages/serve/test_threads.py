@@ -177,8 +177,10 @@ class FakeProc:
     def governor(self, count=ThreadCount(2, "affinity")):
         from llmopt.kernels.threads import ThreadGovernor
 
+        self.changes = []
         return ThreadGovernor(count, {0, 1}, interval_s=0.5, clock=lambda: self.now,
-                              busy=lambda cpus: self.busy_ticks, own=lambda: self.own_ticks, hz=100)
+                              busy=lambda cpus: self.busy_ticks, own=lambda: self.own_ticks, hz=100,
+                              on_change=lambda threads, others: self.changes.append((threads, round(others, 2))))
 
 
 def test_the_governor_drops_a_thread_while_a_neighbour_holds_a_core_and_comes_back(torch_threads_kept):
@@ -197,6 +199,7 @@ def test_the_governor_drops_a_thread_while_a_neighbour_holds_a_core_and_comes_ba
     assert governor.tick() is None  # the neighbour left: seen once so far (the two advances are one sample)
     proc.advance(0.5, ours=1.0, others=0.0)
     assert governor.tick() == 2 and torch.get_num_threads() == 2
+    assert proc.changes == [(1, 1.0), (2, 0.0)]
 
 
 def test_the_governor_ignores_a_blip_and_light_load(torch_threads_kept):
