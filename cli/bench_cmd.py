@@ -55,7 +55,7 @@ def run(ctx: typer.Context,
         device: Annotated[str, Opt("--device", help="--offline: cpu | cuda")] = OD.device,
         backend: Annotated[Backend, Opt("--backend", help="--offline: the engine's kernels, as llmopt serve "
                                         "--backend.")] = Backend(OD.backend),
-        threads: Annotated[Optional[int], Opt("--threads", help="--offline: torch threads (default: torch's).")] = OD.threads,
+        threads: Annotated[Optional[int], Opt("--threads", help="--offline: CPU threads (default: the usable CPUs).")] = OD.threads,
         repeats: Annotated[int, Opt("--repeats", help="--offline: runs per source, median reported.")] = OD.repeats,
         json: Annotated[Optional[Path], Opt("--json", help="Write the report as JSON to this file.")] = None,
         plot: Annotated[Optional[Path], Opt("--plot", help="Write latency CDFs and throughput to this PNG.")] = None,

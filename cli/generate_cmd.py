@@ -10,7 +10,7 @@ from rich.table import Table
 from llmopt.stages.serve.config import DEFAULTS, ServeConfig
 from llmopt.stages.serve import generate as gen
 
-from .options import Backend, BackendOpt, DType, DTypeOpt, Json, Source
+from .options import Backend, BackendOpt, DType, DTypeOpt, Json, Source, Threads
 from .ui import err, note, out, print_json, progress_bar
 
 Prompt = Annotated[Optional[str], typer.Option("--prompt", help="One prompt; its text streams to stdout.")]
@@ -44,7 +44,7 @@ def run(source: Source, prompt: Prompt = None, input: Input = None, output: Outp
         kv_cache_memory: KvMemory = DEFAULTS.engine.kv_cache_memory,
         device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = DEFAULTS.device,
         dtype: DTypeOpt = DType(DEFAULTS.dtype), backend: BackendOpt = Backend(DEFAULTS.backend),
-        json: Json = False) -> None:
+        threads: Threads = DEFAULTS.threads, json: Json = False) -> None:
     from llmopt.stages.errors import ConfigError
     from llmopt.stages.serve.engine.config import SamplingParams
 
@@ -55,7 +55,8 @@ def run(source: Source, prompt: Prompt = None, input: Input = None, output: Outp
                             repetition_penalty=repetition_penalty, stop=tuple(stop or ()), ignore_eos=ignore_eos)
     config = ServeConfig.from_options(dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                            max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-                                           device=device, dtype=dtype.value, backend=backend.value))
+                                           device=device, dtype=dtype.value, backend=backend.value,
+                                           threads=threads))
     if prompt is not None:
         record = gen.PromptRecord("prompt", messages=[{"role": "user", "content": prompt}], where="--prompt") if chat \
             else gen.PromptRecord("prompt", prompt, where="--prompt")
@@ -74,11 +75,15 @@ def run(source: Source, prompt: Prompt = None, input: Input = None, output: Outp
 
 
 def _load(source: str, config: ServeConfig):
+    from llmopt.kernels.threads import apply_threads, governor_for, usable_cpus
     from llmopt.stages.model_io import parse_dtype
     from llmopt.stages.serve.build import build_engine
 
+    count = apply_threads(usable_cpus(config.threads))  # before the model's first parallel region
     with err.status(f"loading {source}"):
-        return build_engine(source, config.engine, config.device, parse_dtype(config.dtype), config.backend)
+        engine = build_engine(source, config.engine, config.device, parse_dtype(config.dtype), config.backend)
+    engine.thread_governor = governor_for(count) if config.device == "cpu" else None
+    return engine
 
 
 def _one(engine, record, params) -> None:

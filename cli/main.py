@@ -5,6 +5,10 @@ import signal
 import sys
 import threading
 
+from llmopt.kernels.threads import choose_wait_policy
+
+choose_wait_policy()  # libgomp reads its wait policy once, when torch loads it: before any command can import torch
+
 import typer
 from typer.exceptions import TyperException
 

@@ -21,6 +21,8 @@ DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Weight dtype (auto kee
 BackendOpt = Annotated[Backend, typer.Option("--backend", help="Kernels (auto: triton on CUDA; on CPU cpu-native "
                                              "where it builds, else cpu-torch; reference: the exact torch twins).")]
 Seqlen = Annotated[int, typer.Option("--seqlen", min=2, help="Tokens per evaluation window.")]
+Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: the CPUs this process may "
+                                               "use: its affinity, capped by a cgroup CPU quota).")]
 MaxWindows = Annotated[Optional[int], typer.Option("--max-windows", min=1, help="Evaluate only the first N windows.")]
 
 # Quantize and prune: calibration, what to leave alone, where to compute, and the quick before/after check.

@@ -43,7 +43,7 @@ def run(sources: Sources = None,
         backend: BackendOpt = Backend(D.backend),
         enforce_eager: Annotated[bool, _opt("--enforce-eager", "--synthetic on CUDA: no CUDA-graph decode (as "
                                                                "llmopt serve --enforce-eager).")] = D.enforce_eager,
-        threads: Annotated[Optional[int], _opt("--threads", "torch threads (default: torch's).")] = D.threads,
+        threads: Annotated[Optional[int], _opt("--threads", "CPU threads (default: the usable CPUs).")] = D.threads,
         memory_budget: Annotated[Optional[str], _opt("--memory-budget", "Planner: 8GiB, or 0.9 of free.")] = D.memory_budget,
         plan_context: Annotated[Optional[int], _opt("--plan-context", "Planner: tokens per sequence.")] = D.plan_context,
         target_tpot_ms: Annotated[Optional[float], _opt("--target-tpot-ms", "Planner: latency target.")] = D.target_tpot_ms,

@@ -7,7 +7,8 @@ import typer
 
 from llmopt.stages.serve.config import DEFAULTS, OPTIONS, ServeConfig
 
-from .options import Backend, BackendOpt, DType, DTypeOpt, MasterAddr, MasterPort, NNodes, NodeRank, Source, stage_options
+from .options import (Backend, BackendOpt, DType, DTypeOpt, MasterAddr, MasterPort, NNodes, NodeRank, Source, Threads,
+                      stage_options)
 
 Opt = typer.Option
 E, S, T = DEFAULTS.engine, DEFAULTS.server, DEFAULTS.tp  # every default below is read from ServeConfig
@@ -55,7 +56,10 @@ def run(source: Source,
         device: Annotated[str, Opt("--device", help="cpu | cuda")] = DEFAULTS.device,
         dtype: DTypeOpt = DType(DEFAULTS.dtype), backend: BackendOpt = Backend(DEFAULTS.backend),
         nnodes: NNodes = T.nnodes, node_rank: NodeRank = T.node_rank, master_addr: MasterAddr = T.master_addr,
-        master_port: MasterPort = T.master_port) -> None:
+        master_port: MasterPort = T.master_port, threads: Threads = DEFAULTS.threads) -> None:
+    import logging
+
+    from llmopt.kernels.threads import apply_threads, describe, governor_for, usable_cpus
     from llmopt.stages.model_io import parse_dtype
     from llmopt.stages.serve.build import build_engine
     from llmopt.stages.serve.http.server import serve
@@ -66,8 +70,18 @@ def run(source: Source,
     config = ServeConfig.from_options(options | {"served_model_name": served_model_name or source})
     resolve(source)  # a wrong path or alias fails now, before the port is bound
     torch_dtype = parse_dtype(config.dtype)
+    count = apply_threads(usable_cpus(config.threads))  # before the model's first parallel region
     if config.tp.node_rank > 0:  # this machine only runs its ranks of a sharded artifact; node 0 serves
         raise typer.Exit(run_worker_node(source, config.tp, config.device, torch_dtype, config.backend))
-    serve(config.server, lambda: build_engine(source, config.engine, config.device, torch_dtype, config.backend,
-                                              tp_options=config.tp))
+
+    def load():
+        log = logging.getLogger("llmopt.serve")
+        log.info(describe(count))
+        engine = build_engine(source, config.engine, config.device, torch_dtype, config.backend, tp_options=config.tp)
+        if config.device == "cpu":
+            engine.thread_governor = governor_for(count, on_change=lambda n, others: log.info(
+                "threads: %d, as other processes keep %.1f of our CPUs busy", n, others))
+        return engine
+
+    serve(config.server, load)
 

@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from llmopt.kernels.threads import apply_threads, usable_cpus
+
 HOST = torch.device("cpu")  # where the process's resident set is read, whatever device computes
 
 
@@ -125,10 +127,10 @@ def peak_memory(device: torch.device) -> int | None:
 
 @contextmanager
 def torch_threads(threads: int | None):
-    """Yields the thread count in force: `threads`, or torch's own; the caller's count is restored after."""
+    """Yields the thread count in force: `threads`, or the CPUs this process may use (affinity, cgroup quota:
+    `llmopt.kernels.threads`, as `llmopt serve` uses); the caller's count is restored after."""
     before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
+    apply_threads(usable_cpus(threads))
     try:
         yield torch.get_num_threads()
     finally:

@@ -26,7 +26,7 @@ from .breakdown import layer_breakdown, op_breakdown
 from .capacity import PlanInputs, plan_capacity
 from .config import ProfileConfig
 from .costs import PROJECTIONS, kv_bytes_per_token, parameter_count, tensor_bytes, weight_bytes
-from .machine import measure_machine, peak_memory, reset_peak_memory, resident_bytes
+from .machine import measure_machine, peak_memory, reset_peak_memory, resident_bytes, torch_threads
 from .plan import SweepPlan, plan_sweep
 from .steps import decode_step, prefill_step
 from .sweeps import context_slope, decode_point, prefill_point, roofline
@@ -50,13 +50,8 @@ def run_profile(sources: list[str], config: ProfileConfig, hooks: StageHooks | N
     hooks = hooks or StageHooks()
     config.validate()
     device = preflight(sources, config)
-    threads = torch.get_num_threads()
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    try:
+    with torch_threads(config.threads):
         return _profile_all(sources, config, device, hooks)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _profile_all(sources: list[str], config: ProfileConfig, device: torch.device, hooks: StageHooks) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmopt.kernels import BACKENDS
+from llmopt.kernels.threads import check_threads
 
 from ..errors import ConfigError
 from ..options import DTYPES, FromOptions, Option, Options, dtype_option
@@ -47,6 +48,7 @@ class ServeConfig(FromOptions):
     dtype: str = "auto"  # one of DTYPES: auto keeps the source's
     backend: str = "auto"  # the kernels: one of llmopt.kernels.BACKENDS
     tp: TPOptions = field(default_factory=TPOptions)
+    threads: int | None = None  # CPU threads; None: the CPUs this process may use (llmopt.kernels.threads)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -56,6 +58,10 @@ class ServeConfig(FromOptions):
             raise ConfigError(f"unknown --dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"unknown --backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        try:
+            check_threads(self.threads)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     @classmethod
     def from_values(cls, o: dict) -> ServeConfig:
@@ -67,7 +73,7 @@ class ServeConfig(FromOptions):
         if o["served_model_name"] is not None:  # None: the command names the model after its SOURCE
             server["served_model_name"] = o["served_model_name"]
         tp = TPOptions(o["nnodes"], o["node_rank"], o["master_addr"], o["master_port"])
-        return cls(engine, ServerConfig(**server), o["device"], o["dtype"], o["backend"], tp)
+        return cls(engine, ServerConfig(**server), o["device"], o["dtype"], o["backend"], tp, o["threads"])
 
 
 ENGINE_OPTIONS = ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -118,6 +124,6 @@ OPTIONS = Options(  # in `llmopt serve`'s order
     Option("device", str, DEFAULTS.device), dtype_option(DEFAULTS.dtype),
     Option("backend", str, DEFAULTS.backend, choices=BACKENDS),
     Option("nnodes", int, _T.nnodes), Option("node_rank", int, _T.node_rank), Option("master_addr", str, _T.master_addr),
-    Option("master_port", int, _T.master_port, optional=True),
+    Option("master_port", int, _T.master_port, optional=True), Option("threads", int, None, optional=True),
 )
 ServeConfig.OPTIONS = OPTIONS

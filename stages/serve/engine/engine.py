@@ -66,6 +66,7 @@ class LLMEngine:
         eos = [tokenizer.eos_token_id] if eos_token_ids is None else list(eos_token_ids)
         self.eos_token_ids = frozenset(t for t in eos if t is not None)
         self.checker = RequestChecker(self.config, _vocab_size(runner))
+        self.thread_governor = None  # CPU: set by the command (llmopt.kernels.threads.governor_for), ticked per step
         prebuild = getattr(runner, "prebuild_matmuls", None)  # CPU: every matmul shape a step can produce
         if prebuild is not None:
             prebuild(self.config.max_num_batched_tokens, self.config.seqs_per_step)
@@ -102,6 +103,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        if self.thread_governor is not None:  # here: torch's thread count is per thread, and this one runs the step
+            self.thread_governor.tick()
         logits = self.runner.execute(build_step_input(batch, self.config.block_size))
         seqs = batch.sampled_seqs
         sampled = self.sampler(logits, seqs) if seqs else SamplerOutput([], [])

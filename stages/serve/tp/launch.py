@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 
+from llmopt.kernels.threads import usable_cpus
+
 from ...errors import ConfigError
 from ...model_io import DTYPE_NAMES
 from ..config import TPOptions
@@ -67,7 +69,8 @@ class RankGroup:
         return "cuda" if self.backend == "nccl" else "cpu"
 
     def threads_per_rank(self) -> int:
-        return max(1, (os.cpu_count() or 1) // len(self.local_ranks))
+        """The CPUs this process may use (affinity, cgroup quota), shared among the local ranks."""
+        return max(1, usable_cpus().count // len(self.local_ranks))
 
     def start(self) -> "RankGroup":
         """Start the local workers, and join rank 0 to the group when it lives here."""
