@@ -59,8 +59,12 @@ def run(source: Source,
     from llmopt.stages.model_io import parse_dtype
     from llmopt.stages.serve.build import build_engine
     from llmopt.stages.serve.http.server import serve
+    from llmopt.stages.serve.startup import StartupReport
     from llmopt.stages.serve.tp.launch import run_worker_node
     from llmopt.stages.source import resolve
+
+    startup = StartupReport()
+    startup.mark("imports")
 
     options = stage_options(locals(), ServeConfig.options())
     config = ServeConfig.from_options(options | {"served_model_name": served_model_name or source})
@@ -69,5 +73,6 @@ def run(source: Source,
     if config.tp.node_rank > 0:  # this machine only runs its ranks of a sharded artifact; node 0 serves
         raise typer.Exit(run_worker_node(source, config.tp, config.device, torch_dtype, config.backend))
     serve(config.server, lambda: build_engine(source, config.engine, config.device, torch_dtype, config.backend,
-                                              tp_options=config.tp))
+                                              tp_options=config.tp, startup=startup, background_prebuild=True),
+          startup=startup)
 
