@@ -219,6 +219,13 @@ def _describe(obj, keep: dict, blobs: list, offset: int):
         return {"value": obj}, offset
     if isinstance(obj, torch.dtype):
         return {"dtype": str(obj).removeprefix("torch.")}, offset
+    if isinstance(obj, dict):
+        if not all(isinstance(k, str) for k in obj):
+            raise TypeError("cannot store a dict with keys other than strings")
+        items = {}
+        for k, item in obj.items():
+            items[k], offset = _describe(item, keep, blobs, offset)
+        return {"dict": items}, offset
     if isinstance(obj, (tuple, list)):
         items = []
         for item in obj:
@@ -246,6 +253,8 @@ def _restore(desc: dict, data: torch.Tensor, keep: dict):
         return desc["value"]
     if "dtype" in desc:
         return _DTYPES[desc["dtype"]]
+    if "dict" in desc:
+        return {k: _restore(d, data, keep) for k, d in desc["dict"].items()}
     if "tuple" in desc or "list" in desc:
         items = [_restore(d, data, keep) for d in desc.get("tuple", desc.get("list"))]
         return tuple(items) if "tuple" in desc else items

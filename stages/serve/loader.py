@@ -149,8 +149,9 @@ def build_runtime(config: dict, state: dict, device: torch.device, dtype=None,
             with scope(f"layers.{i}.{attr}"):
                 setattr(layer, attr, weights.linear([f"model.layers.{i}.{p}" for p in parts]))
     runtime.load_state_dict(weights.rest(spec.num_layers), strict=False, assign=True)
-    with scope("embed_tokens"):
-        runtime.embed_tokens, runtime.embed_scale = cached_layout("embedding", weights.embedding)
+    with scope("embed_tokens"):  # a quantized one is unpacked from int32 words: kept too
+        runtime.embed_tokens, runtime.embed_scale = cached_layout("embedding", weights.embedding) \
+            if EMBED in weights.schemes else weights.embedding()
     tied = spec.tie_word_embeddings or not weights.has("lm_head")
     with scope("lm_head"):
         runtime.lm_head = weights.tied_lm_head(runtime.embed_tokens, runtime.embed_scale) if tied \
@@ -229,7 +230,9 @@ class _Weights:
         bias = self._bias(names)
         if scheme is None:
             return self.backend.dense_linear(_cat([self.tensor(f"{n}.weight") for n in names]), bias)
-        fmt, tensors = _fused_tensors(scheme, [self._quant_part(n, scheme) for n in names])
+        fuse = lambda: _fused_tensors(scheme, [self._quant_part(n, scheme) for n in names])  # noqa: E731
+        # A fused projection's concatenation is a copy: the layout cache keeps it (a single one is the file's).
+        fmt, tensors = cached_layout("fused", fuse) if len(names) > 1 else fuse()
         return self.backend.quantized_linear(fmt, tensors, scheme.group_size, bias)
 
     def _bias(self, names: list[str]) -> torch.Tensor | None:

@@ -2,8 +2,7 @@
 importing transformers (2-3 s of CPU at start-up here, for a tokenizer that loads in 0.1 s).
 
 `ServeTokenizer` answers what serving asks of a tokenizer (encode, decode, the chat template, the special
-tokens) exactly as transformers' fast tokenizer does for the same files: the same Rust tokenizer, the same
-`clean_up_tokenization_spaces` step, and the chat template rendered in a sandbox set up as transformers sets
+tokens) exactly as transformers' fast tokenizer does for the same files: the same Rust tokenizer, and the chat template rendered in a sandbox set up as transformers sets
 up its own (trim_blocks, lstrip_blocks, loop controls, its `tojson`, `raise_exception`, `strftime_now`),
 with the special tokens as template variables. tests/stages/serve/test_tokenizer.py checks the equivalence.
 A directory this does not cover (no tokenizer.json, a tokenizer_config that asks transformers to add
@@ -21,7 +20,7 @@ from ..errors import SourceError
 # tokenizer_config keys that make transformers change what the Rust tokenizer does: such a directory goes
 # through transformers.
 _TRANSFORMERS_ONLY = ("add_bos_token", "add_eos_token", "add_prefix_space", "legacy", "from_slow",
-                      "spaces_between_special_tokens")
+                      "spaces_between_special_tokens", "clean_up_tokenization_spaces")
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -84,7 +83,6 @@ class ServeTokenizer:
     def __init__(self, tokenizer, config: dict, chat_template: str | None):
         self._tokenizer = tokenizer
         self.chat_template = chat_template
-        self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self.special_tokens_map = {k: t for k in _SPECIAL if (t := _token_text(config.get(k))) is not None}
         for name in _SPECIAL:
             token = self.special_tokens_map.get(name)
@@ -101,8 +99,7 @@ class ServeTokenizer:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
-        text = self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
-        return _clean_up(text) if self.clean_up_tokenization_spaces else text
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = True, add_generation_prompt: bool = False,
                             **kwargs):
@@ -139,10 +136,3 @@ def compile_chat_template(source: str):
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
 
-
-def _clean_up(text: str) -> str:
-    """transformers' clean_up_tokenization: no space before punctuation and common English contractions."""
-    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
-                 (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
-        text = text.replace(a, b)
-    return text
