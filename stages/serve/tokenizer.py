@@ -102,15 +102,19 @@ class ServeTokenizer:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = True, add_generation_prompt: bool = False,
-                            **kwargs):
-        """The conversation rendered with the chat template (its token ids with tokenize=True, as transformers)."""
+                            return_dict: bool = True, **kwargs):
+        """The conversation rendered with the chat template; with tokenize=True its token ids, as transformers
+        returns them ({"input_ids", "attention_mask"}, or the list with return_dict=False)."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         text = self._compiled().render(messages=messages, tools=None, documents=None,
                                        add_generation_prompt=add_generation_prompt,
                                        **{**self.special_tokens_map, **kwargs})
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return text
+        ids = self.encode(text, add_special_tokens=False)
+        return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
 
     def _compiled(self):
         if self._template is None:

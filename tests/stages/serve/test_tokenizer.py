@@ -38,6 +38,11 @@ def check_equivalent(ours, theirs, texts=TEXTS, conversations=CONVERSATIONS) -> 
         for prompt in (True, False):
             kwargs = dict(tokenize=False, add_generation_prompt=prompt)
             assert ours.apply_chat_template(messages, **kwargs) == theirs.apply_chat_template(messages, **kwargs)
+            kwargs = dict(tokenize=True, add_generation_prompt=prompt, return_dict=False)
+            assert ours.apply_chat_template(messages, **kwargs) == theirs.apply_chat_template(messages, **kwargs)
+            tokens = theirs.apply_chat_template(messages, add_generation_prompt=prompt)
+            assert ours.apply_chat_template(messages, add_generation_prompt=prompt) == \
+                {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}
 
 
 @pytest.fixture(scope="module")

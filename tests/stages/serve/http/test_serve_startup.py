@@ -18,7 +18,7 @@ def served(monkeypatch):
     import llmopt.stages.serve.http.server as server
 
     configs = []
-    monkeypatch.setattr(server, "serve", lambda config, loader: configs.append(config))
+    monkeypatch.setattr(server, "serve", lambda config, loader, **kw: configs.append(config))
     monkeypatch.delenv("LLMOPT_API_KEY", raising=False)
     return configs
 
