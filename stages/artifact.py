@@ -146,7 +146,8 @@ class Artifact:
                 raise ArtifactError(f"{f}: file listed in {MANIFEST} is missing")
             st = f.stat()
             if st.st_size != entry["bytes"]:
-                raise ArtifactError(f"{f}: size {st.st_size} bytes, manifest says {entry['bytes']} (truncated or replaced)")
+                raise ArtifactError(f"{f}: size {st.st_size} bytes, manifest says {entry['bytes']} (truncated or "
+                                    "replaced)")
             stats[name] = [st.st_size, st.st_mtime_ns, st.st_ino, entry["sha256"]]
         record = _verified_record(self.path, self.content_hash)
         if not full and _read_json(record) == stats:

@@ -2,9 +2,10 @@
 importing transformers (2-3 s of CPU at start-up here, for a tokenizer that loads in 0.1 s).
 
 `ServeTokenizer` answers what serving asks of a tokenizer (encode, decode, the chat template, the special
-tokens) exactly as transformers' fast tokenizer does for the same files: the same Rust tokenizer, and the chat template rendered in a sandbox set up as transformers sets
-up its own (trim_blocks, lstrip_blocks, loop controls, its `tojson`, `raise_exception`, `strftime_now`),
-with the special tokens as template variables. tests/stages/serve/test_tokenizer.py checks the equivalence.
+tokens) exactly as transformers' fast tokenizer does for the same files: the same Rust tokenizer, and the
+chat template rendered in a sandbox set up as transformers sets up its own (trim_blocks, lstrip_blocks,
+loop controls, its `tojson`, `raise_exception`, `strftime_now`), with the special tokens as template
+variables. tests/stages/serve/test_tokenizer.py checks the equivalence.
 A directory this does not cover (no tokenizer.json, a tokenizer_config that asks transformers to add
 tokens or change the post-processor, a template using transformers' `{% generation %}` tag) gets
 transformers' tokenizer (`model_io.load_tokenizer`).

@@ -9,7 +9,8 @@ from llmopt.stages.serve.tokenizer import ServeTokenizer, load_serve_tokenizer
 from tests.stages.serve.test_tokenizer import check_equivalent
 
 pytestmark = pytest.mark.integration
-TEXTS = ["", "Hello there, how are you?", "  spaces   and\ttabs\n\nnewlines ", "émoji 🤖🚀 and ünïcode, 中文, русский",
+TEXTS = ["", "Hello there, how are you?", "  spaces   and\ttabs\n\nnewlines ",
+         "émoji 🤖🚀 and ünïcode, 中文, русский",
          "<|im_start|>user\nspecial tokens in text<|im_end|>", "def f(x):\n    return x ** 2  # code",
          "Numbers: 3.14159, 1,234,567 and 2026-12-05.", "don't stop , isn't it ? yes !", "word " * 200]
 CONVERSATIONS = [[{"role": "user", "content": "What is the capital of France?"}],
