@@ -150,8 +150,10 @@ class LayoutCache:
             if len(head) < 16 or head[:8] != MAGIC:
                 raise ValueError("not a layout file")
             (n,) = struct.unpack("<Q", head[8:])
-            header = json.loads(f.read(n))
             st = os.fstat(f.fileno())
+            if n > st.st_size:
+                raise ValueError("truncated (header)")
+            header = json.loads(f.read(n))
             start = 16 + n
             if header.get("key") != self.key or header.get("version") != VERSION:
                 raise ValueError("written for another key")
