@@ -58,21 +58,25 @@ def run(source: Source,
         master_port: MasterPort = T.master_port) -> None:
     from llmopt.stages.model_io import parse_dtype
     from llmopt.stages.serve.build import build_engine
-    from llmopt.stages.serve.http.server import serve
-    from llmopt.stages.serve.startup import StartupReport
+    from llmopt.stages.serve.startup import EarlyLoad, StartupReport
     from llmopt.stages.serve.tp.launch import run_worker_node
     from llmopt.stages.source import resolve
 
     startup = StartupReport()
-    startup.mark("imports")
-
     options = stage_options(locals(), ServeConfig.options())
     config = ServeConfig.from_options(options | {"served_model_name": served_model_name or source})
     resolve(source)  # a wrong path or alias fails now, before the port is bound
     torch_dtype = parse_dtype(config.dtype)
     if config.tp.node_rank > 0:  # this machine only runs its ranks of a sharded artifact; node 0 serves
         raise typer.Exit(run_worker_node(source, config.tp, config.device, torch_dtype, config.backend))
-    serve(config.server, lambda: build_engine(source, config.engine, config.device, torch_dtype, config.backend,
-                                              tp_options=config.tp, startup=startup, background_prebuild=True),
-          startup=startup)
+    # The model loads while the HTTP stack imports; the server's loader thread then waits for it.
+    load = EarlyLoad(lambda: build_engine(source, config.engine, config.device, torch_dtype, config.backend,
+                                          tp_options=config.tp, startup=startup, background_prebuild=True))
+    try:
+        from llmopt.stages.serve.http.server import serve
+    except BaseException:
+        load.wait()  # an interpreter that ends under a thread inside torch can abort
+        raise
+    startup.mark("imports")
+    serve(config.server, load.result, startup=startup)
 

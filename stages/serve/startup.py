@@ -33,6 +33,9 @@ def process_age() -> float | None:
     return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
+ORDER = ("imports", "http", "artifact", "tokenizer", "weights", "layouts", "kv_cache", "engine")
+
+
 class StartupReport:
     """Phases of one start-up, each (wall s, CPU s). `start`: the perf_counter reading the process started
     at (default: from `process_age`, else now)."""
@@ -76,19 +79,53 @@ class StartupReport:
     def ready_s(self) -> float | None:
         return None if self.ready_at is None else self.ready_at - self.start
 
+    def ordered(self) -> list[tuple[str, tuple[float, float]]]:
+        """The phases in start-up order (the load runs in a thread of its own: its phases may be recorded
+        before the imports end), unknown names last."""
+        rank = {name: i for i, name in enumerate(ORDER)}
+        return sorted(self.phases.items(), key=lambda item: rank.get(item[0], len(ORDER)))
+
     def as_dict(self) -> dict:
         """{"ready_s", "cpu_s", "phases": {name: {"wall_s", "cpu_s"}}, "notes"} (JSON-able)."""
         return {"ready_s": _round(self.ready_s), "cpu_s": _round(getattr(self, "cpu_at_ready", None)),
-                "phases": {n: {"wall_s": _round(w), "cpu_s": _round(c)} for n, (w, c) in self.phases.items()},
+                "phases": {n: {"wall_s": _round(w), "cpu_s": _round(c)} for n, (w, c) in self.ordered()},
                 "notes": dict(self.notes)}
 
     def summary(self) -> str:
         """'ready in 1.42 s (cpu 1.90 s): imports 0.61, http 0.02, ...; layouts: cache hit'."""
-        parts = ", ".join(f"{n} {w:.2f}" for n, (w, _) in self.phases.items())
+        parts = ", ".join(f"{n} {w:.2f}" for n, (w, _) in self.ordered())
         notes = "".join(f"; {n}: {v}" for n, v in self.notes.items())
         head = f"ready in {self.ready_s:.2f} s (cpu {self.cpu_at_ready:.2f} s)" if self.ready_at is not None \
             else "start-up"
         return f"{head}: {parts}{notes}"
+
+
+class EarlyLoad:
+    """`load()` run in a thread from now on, so the model loads while the rest of the process starts (the
+    HTTP stack's imports are a third of a second of Python here); `result()` waits for it and returns its
+    value or raises its error, in the caller's thread."""
+
+    def __init__(self, load):
+        self._value, self._error = None, None
+
+        def work() -> None:
+            try:
+                self._value = load()
+            except BaseException as e:  # handed to whoever asks for the result
+                self._error = e
+
+        # A daemon thread, as the server's own loader: Ctrl-C must not wait for it (`wait` does, on purpose).
+        self.thread = threading.Thread(target=work, name="llmopt-early-load", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        self.thread.join()
+
+    def result(self):
+        self.thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def phase(report: "StartupReport | None", name: str):
