@@ -105,6 +105,10 @@ class LayoutCache:
             _SCOPE.reset(token)
 
     def layout(self, name: str, build: Callable[[], T], keep: dict) -> T:
+        if self.stored.get(name) == {"unstorable": True}:
+            obj = build()
+            self.entries[name] = (obj, keep)
+            return obj
         if name in self.stored:
             try:
                 obj = _restore(self.stored[name], self._data, keep)
@@ -136,10 +140,15 @@ class LayoutCache:
             blobs: list[bytes | torch.Tensor] = []
             entries, size = {}, 0
             for name, (obj, keep) in self.entries.items():
-                desc, size = _describe(obj, keep, blobs, offset=size)
-                entries[name] = desc
+                mark = len(blobs)
+                try:
+                    entries[name], size = _describe(obj, keep, blobs, offset=size)
+                except TypeError:  # a layout holding what cannot be stored: built at every start, not a miss
+                    entries[name] = {"unstorable": True}
+                    del blobs[mark:]
+                    size = sum(len(b) if isinstance(b, bytes) else b.numel() * b.element_size() for b in blobs)
             _write_atomic(self.path, self.key, entries, blobs, size)
-        except (OSError, TypeError) as e:  # a read-only or full disk: serve anyway
+        except OSError as e:  # a read-only or full disk: serve anyway
             self.status = f"not saved ({e.__class__.__name__}: {e})"
             return False
         return True

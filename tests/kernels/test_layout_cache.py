@@ -158,3 +158,23 @@ def test_kept_tensors_are_references_not_copies(tmp_path):
         assert weight.source[0] is packed and weight.source[1] is scale
     stored = cache.path.stat().st_size
     assert stored < packed.numel() * 4 + weight.packed.numel() * weight.packed.element_size() + 4096
+
+
+def test_a_layout_that_cannot_be_stored_is_built_each_time_and_the_rest_kept(tmp_path):
+    class Opaque:  # not a kernels class: never stored, never restored
+        pass
+
+    def start():
+        cache = LayoutCache.open(tmp_path, "d" * 32)
+        builds = Builds()
+        with cache.scope("layers.0.qkv"):
+            cached_layout("native", builds)
+        with cache.scope("layers.0.o_proj"):
+            odd = cached_layout("opaque", lambda: (builds(), Opaque())[1])
+        return cache, builds, odd
+
+    first, builds, _ = start()
+    assert builds.count == 2 and first.save()
+    again, builds, odd = start()
+    assert builds.count == 1 and isinstance(odd, Opaque)  # the stored one read, the opaque one built
+    assert again.describe() == "hit (1 layouts)" and not again.save()  # nothing new to write
