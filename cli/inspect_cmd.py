@@ -11,7 +11,8 @@ from .ui import err, human_bytes, out, print_json
 
 
 def run(artifact: Source, json: Json = False,
-        verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Check every file's sha256.")] = True) -> None:
+        verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Hash every file (other commands skip "
+                                             "files hashed before and unchanged since).")] = True) -> None:
     from llmopt.stages import source as sources
     from llmopt.stages.inspect import summarize
 
@@ -19,7 +20,7 @@ def run(artifact: Source, json: Json = False,
     if src.kind == "artifact":
         from llmopt.stages.artifact import Artifact
 
-        art = Artifact.open(src.path, verify=verify)
+        art = Artifact.open(src.path, verify=verify, full=verify)
     else:
         with err.status(f"resolving {artifact}"):
             art = sources.as_artifact(src)

@@ -62,10 +62,11 @@ def run(source: Source,
     from llmopt.kernels.threads import apply_threads, describe, governor_for, usable_cpus
     from llmopt.stages.model_io import parse_dtype
     from llmopt.stages.serve.build import build_engine
-    from llmopt.stages.serve.http.server import serve
+    from llmopt.stages.serve.startup import EarlyLoad, StartupReport
     from llmopt.stages.serve.tp.launch import run_worker_node
     from llmopt.stages.source import resolve
 
+    startup = StartupReport()
     options = stage_options(locals(), ServeConfig.options())
     config = ServeConfig.from_options(options | {"served_model_name": served_model_name or source})
     resolve(source)  # a wrong path or alias fails now, before the port is bound
@@ -73,15 +74,27 @@ def run(source: Source,
     count = apply_threads(usable_cpus(config.threads))  # before the model's first parallel region
     if config.tp.node_rank > 0:  # this machine only runs its ranks of a sharded artifact; node 0 serves
         raise typer.Exit(run_worker_node(source, config.tp, config.device, torch_dtype, config.backend))
+    log = logging.getLogger("llmopt.serve")
 
     def load():
-        log = logging.getLogger("llmopt.serve")
-        log.info(describe(count))
-        engine = build_engine(source, config.engine, config.device, torch_dtype, config.backend, tp_options=config.tp)
+        engine = build_engine(source, config.engine, config.device, torch_dtype, config.backend, tp_options=config.tp,
+                              startup=startup, background_prebuild=True)
         if config.device == "cpu":
             engine.thread_governor = governor_for(count, on_change=lambda n, others: log.info(
                 "threads: %d, as other processes keep %.1f of our CPUs busy", n, others))
         return engine
 
-    serve(config.server, load)
+    def loaded():  # in the server's loader thread, once its logging is set up
+        log.info(describe(count))
+        return early.result()
+
+    # The model loads while the HTTP stack imports; the server's loader thread then waits for it.
+    early = EarlyLoad(load)
+    try:
+        from llmopt.stages.serve.http.server import serve
+    except BaseException:
+        early.wait()  # an interpreter that ends under a thread inside torch can abort
+        raise
+    startup.mark("imports")
+    serve(config.server, loaded, startup=startup)
 

@@ -69,7 +69,8 @@ Native CPU kernels (`cpu_native`: C in `csrc/`, built with gcc at first use; `av
         a bf16 scratch dequantized natively (`csrc/dequant.c`) + oneDNN; bf16 activations, fp32 sums
 CPU policy: `cpu_linear` (DenseLinear, oneDNN row buckets and their prebuild), `cpu_attention` (paged
 attention and decode grouping), `cpu_quant` (torch's packed kernels and their numerics: bf16 activations
-for W4A16/W8A16, fbgemm per-token int8 for W8A8).
+for W4A16/W8A16, fbgemm per-token int8 for W8A8), `layout_cache` (the layouts built at load time, stored
+once per model and read back by mmap: `cached_layout(kind, build)` under a `LayoutCache.scope(name)`).
 
 Errors: ValueError for wrong shapes/dtypes (message says what was expected);
 KernelBackendError for a backend that cannot run here.

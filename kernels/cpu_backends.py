@@ -31,6 +31,7 @@ from ._backend import KernelBackendError
 from .cpu_attention import GROUP_OVERHEAD_KEYS, CpuAttention, NativeCpuAttention
 from .cpu_linear import DenseLinear, NativeLinear, prebuild_row_buckets
 from .fused_decode import FusedDecode
+from .layout_cache import cached_layout
 from .linear import QUANTIZED, QuantLinear, W4A16Linear, W8A16Linear
 from .paged_attention import StepMetadata
 from .wq_matmul import dequantize, unpack_int4_stored, unpack_zero_point_stored, w4a16_dequantize
@@ -92,7 +93,7 @@ class CpuTorchBackend:
     def _torch_kernel(fmt: str, layer: QuantLinear):
         """torch's CPU kernel for the layer (its layout kept as `cpu_weight`), or None where none takes it."""
         pack, run = _TORCH_KERNELS[fmt]
-        layer.cpu_weight = pack(layer)
+        layer.cpu_weight = cached_layout("torch", lambda: pack(layer), keep=dict(layer.named_buffers(recurse=False)))
         if layer.cpu_weight is None:
             return None
         return lambda x: layer.add_bias(run(x, layer.cpu_weight))
@@ -188,12 +189,13 @@ def native_linear(layer: QuantLinear) -> NativeLinear | None:
     n, k, group = layer.out_features, layer.in_features, getattr(layer, "group_size", None)
     if isinstance(layer, W4A16Linear) and cpu_native.Int4Weight.supports(k, group):
         zeros = None if layer.weight_zero_point is None else unpack_zero_point_stored(layer.weight_zero_point, n)
-        weight = cpu_native.Int4Weight(unpack_int4_stored(layer.weight_packed, k), layer.weight_scale.reshape(n, -1),
-                                       zeros, group)
+        weight = cached_layout("native", lambda: cpu_native.Int4Weight(
+            unpack_int4_stored(layer.weight_packed, k), layer.weight_scale.reshape(n, -1), zeros, group))
         return NativeLinear(weight, layer.bias, cpu_native.W4_MAX_ROWS)
     if isinstance(layer, W8A16Linear) and layer.weight.dtype == torch.int8 \
             and cpu_native.Int8Weight.supports(k, group):
-        weight = cpu_native.Int8Weight(layer.weight, layer.weight_scale.reshape(n, -1), layer.weight_zero_point, group)
+        weight = cached_layout("native", lambda: cpu_native.Int8Weight(layer.weight, layer.weight_scale.reshape(n, -1),
+                                                                        layer.weight_zero_point, group))
         return NativeLinear(weight, layer.bias, cpu_native.W8_MAX_ROWS)
     return None
 

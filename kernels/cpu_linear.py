@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_native
+from .layout_cache import cached_layout
 from .linear import RoutedLinear
 
 ROW_CHUNK = 512  # rows per oneDNN call beyond this; larger calls were no faster per row here
@@ -65,7 +66,8 @@ class DenseLinear(RoutedLinear):
             return self
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH)
         if native:
-            self.native = NativeLinear(cpu_native.DenseWeight(w), self.bias, cpu_native.GEMV_MAX_ROWS[w.dtype])
+            tiled = cached_layout("native", lambda: cpu_native.DenseWeight(w))
+            self.native = NativeLinear(tiled, self.bias, cpu_native.GEMV_MAX_ROWS[w.dtype])
             # Both CPU paths now hold their own copy: the loaded one goes (one model's worth of memory; a tied
             # lm_head's stays alive as the embedding). Shape and dtype remain, on the meta device.
             self.weight = w.to("meta")

@@ -97,7 +97,8 @@ class Artifact:
     manifest: dict
 
     @classmethod
-    def open(cls, path: str | Path, verify: bool = True) -> "Artifact":
+    def open(cls, path: str | Path, verify: bool = True, full: bool = False) -> "Artifact":
+        """The artifact at `path`, its files checked (`verify`; `full`: hash them even if checked before)."""
         path = Path(path)
         if not path.is_dir():
             raise ArtifactError(f"{path}: no such artifact directory")
@@ -105,7 +106,7 @@ class Artifact:
         for name in art.manifest["files"]:  # even unverified: no entry may point outside the directory
             member_path(path, name, f"{path / MANIFEST} files")
         if verify:
-            art.verify()
+            art.verify(full)
         return art
 
     @property
@@ -131,17 +132,35 @@ class Artifact:
         prefix = f"{rank_dir(rank)}/"
         return sorted(n for n in self.manifest["files"] if n.startswith(prefix) and n.endswith(".safetensors"))
 
-    def verify(self) -> None:
-        """Check every listed file's size and sha256; the error names the first bad file."""
+    def verify(self, full: bool = False) -> None:
+        """Check every listed file's size and sha256; the error names the first bad file.
+
+        The sha256s are read once: a full check leaves a record (each file's size, mtime and inode, in
+        `$LLMOPT_CACHE_DIR/verified`), and later checks of files whose size, mtime and inode all still match
+        it skip the hashing, as make and Python's bytecode cache trust a file's stat. `full=True` (`llmopt
+        inspect --verify`) always hashes everything."""
+        stats = {}
         for name, entry in sorted(self.manifest["files"].items()):
             f = self.path / name
             if not f.is_file():
                 raise ArtifactError(f"{f}: file listed in {MANIFEST} is missing")
-            size = f.stat().st_size
-            if size != entry["bytes"]:
-                raise ArtifactError(f"{f}: size {size} bytes, manifest says {entry['bytes']} (truncated or replaced)")
-            if sha256_file(f) != entry["sha256"]:
-                raise ArtifactError(f"{f}: sha256 does not match {MANIFEST} (file was modified or corrupted)")
+            st = f.stat()
+            if st.st_size != entry["bytes"]:
+                raise ArtifactError(f"{f}: size {st.st_size} bytes, manifest says {entry['bytes']} (truncated or "
+                                    "replaced)")
+            stats[name] = [st.st_size, st.st_mtime_ns, st.st_ino, entry["sha256"]]
+        record = _verified_record(self.path, self.content_hash)
+        if not full and _read_json(record) == stats:
+            return
+        for name, entry in sorted(self.manifest["files"].items()):
+            if sha256_file(self.path / name) != entry["sha256"]:
+                raise ArtifactError(f"{self.path / name}: sha256 does not match {MANIFEST} (file was modified or "
+                                    "corrupted)")
+        try:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            _write_json_atomic(record, stats)
+        except (OSError, ArtifactError):
+            pass  # no record: the next open hashes again
 
     def update_metrics(self, key: str, value) -> None:
         """Store one metric in the manifest (atomic rewrite; the content hash is unchanged)."""
@@ -151,6 +170,21 @@ class Artifact:
     def lineage_entry(self) -> dict:
         return {"stage": self.stage, "path": str(self.path.resolve()), "content_hash": self.content_hash,
                 "config": self.manifest["config"], "created_at": self.manifest.get("created_at")}
+
+
+def _verified_record(path: Path, chash: str) -> Path:
+    """Where the stat record of a verified artifact lives (keyed by its real path and content hash)."""
+    root = os.environ.get("LLMOPT_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") \
+        / "llmopt"
+    key = hashlib.sha256(f"{Path(path).resolve()}\0{chash}".encode()).hexdigest()[:32]
+    return Path(root) / "verified" / f"{key}.json"
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def rank_dir(rank: int) -> str:

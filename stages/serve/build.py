@@ -6,29 +6,67 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
+import threading
+import time
 
 from .engine.config import EngineConfig
 from .engine.engine import LLMEngine
+from .startup import StartupReport, phase
+
+log = logging.getLogger("llmopt.serve")
 
 DEFAULT_KV_CACHE_MEMORY = {"cpu": "2GiB", "cuda": "0.8"}  # when neither num_blocks nor kv_cache_memory is given
 
 
 def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None, backend: str = "auto",
-                 tp_options=None) -> LLMEngine:
+                 tp_options=None, startup: StartupReport | None = None, background_prebuild: bool = False) -> LLMEngine:
     """An engine serving `ref` (alias, GGUF, HF directory or artifact) on `device`, its kernels from `backend`
-    ("auto", "cpu-native", "cpu-torch", "triton", "reference"; see `llmopt.kernels.select_backend`)."""
+    ("auto", "cpu-native", "cpu-torch", "triton", "reference"; see `llmopt.kernels.select_backend`).
+
+    startup: times the phases (see startup.py). background_prebuild: build the matmul primitives
+    (`ModelRunner.prebuild_matmuls`) in a thread of their own, started as the engine is returned, instead of
+    before (the server is ready a second or more sooner; the primitives are all built moments later)."""
     from .cuda_graphs import graph_batch_sizes, graphs_apply
     from .loader import load_runtime, sharded_artifact
     from .runner import ModelRunner
 
-    sharded = sharded_artifact(ref)
+    with phase(startup, "artifact"):
+        sharded = sharded_artifact(ref)
     if sharded is not None:
         return _build_tp_engine(sharded, config, device, dtype, backend, tp_options)
-    runtime, tokenizer, model_config = load_runtime(ref, device, dtype, backend)
-    runner = ModelRunner(runtime, _num_blocks(config, runtime.spec, runtime), config.block_size)
-    if not config.enforce_eager and graphs_apply(runtime):
-        runner.try_capture_decode_graphs(graph_batch_sizes(config.seqs_per_step))
-    return LLMEngine(runner, tokenizer, config, eos_token_ids=eos_token_ids(model_config, tokenizer))
+    runtime, tokenizer, model_config = load_runtime(ref, device, dtype, backend, startup)
+    with phase(startup, "kv_cache"):
+        runner = ModelRunner(runtime, _num_blocks(config, runtime.spec, runtime), config.block_size,
+                             prebuild=not background_prebuild)
+    with phase(startup, "engine"):
+        if not config.enforce_eager and graphs_apply(runtime):
+            runner.try_capture_decode_graphs(graph_batch_sizes(config.seqs_per_step))
+        engine = LLMEngine(runner, tokenizer, config, eos_token_ids=eos_token_ids(model_config, tokenizer))
+    if background_prebuild:
+        _prebuild_in_background(runner, engine.config)
+    return engine
+
+
+def _prebuild_in_background(runner, config: EngineConfig) -> threading.Thread:
+    """`runner.prebuild_matmuls` in a daemon thread (oneDNN's primitive cache is shared by all threads, so
+    what it builds serves the engine's); one log line when done. The process waits for it at exit (a
+    thread still inside torch when the interpreter ends can abort it)."""
+    def work() -> None:
+        start = time.perf_counter()
+        runner.prebuild = True
+        try:
+            calls = runner.prebuild_matmuls(config.max_num_batched_tokens, config.seqs_per_step)
+        except Exception as e:  # the primitives are then built as serving meets each shape
+            log.warning("matmul prebuild failed (%s: %s); shapes are built as they come", type(e).__name__, e)
+            return
+        if calls:
+            log.info("prebuilt %d matmul shapes in %.2f s (in the background)", calls, time.perf_counter() - start)
+
+    thread = threading.Thread(target=work, name="llmopt-prebuild", daemon=True)
+    thread.start()
+    atexit.register(thread.join)
+    return thread
 
 
 def _num_blocks(config: EngineConfig, spec, runtime) -> int:

@@ -10,6 +10,8 @@ tensors and the group size its config group records to the backend. An int8 embe
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 from pathlib import Path
 
@@ -17,6 +19,8 @@ import torch
 from torch import nn
 
 from llmopt.kernels import Backend, KernelBackendError, build_cos_sin_cache, select_backend
+from llmopt.kernels.cpu_native import cache_dir
+from llmopt.kernels.layout_cache import LayoutCache, cached_layout, layout_key
 
 from ..compressed import LinearScheme, decompress_linear, parse_schemes
 from ..ctpack import pack_zero_point, unpack_zero_point
@@ -24,6 +28,11 @@ from ..errors import ArtifactError, ConfigError, SourceError
 from ..model_io import parse_dtype
 from ..safetensors_io import load_dir, weight_files
 from .model import ConcatLinear, Runtime, spec_from_config
+from .startup import phase
+
+# What this file does to the tensors before the kernels see them (fused concatenations) is part of the
+# layout cache's key too.
+_LOADER_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 PROJECTIONS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
                "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
@@ -57,23 +66,48 @@ def sharded_artifact(ref):
     return art if art.tensor_parallel else None
 
 
-def load_runtime(ref, device="cpu", dtype=None, backend: "str | Backend" = "auto"):
+def load_runtime(ref, device="cpu", dtype=None, backend: "str | Backend" = "auto", startup=None):
     """(runtime, tokenizer, config dict) for a source ref (alias, GGUF, HF dir, artifact) or directory.
 
     dtype: None keeps the checkpoint's dtype (a torch.dtype or fp32/bf16/fp16 also work).
     backend: "auto" (the fastest for the device), "cpu-native", "cpu-torch", "triton" or "reference" (every
     op's exact torch twin), or a Backend built by the caller; ConfigError for one that cannot run here.
+    startup: a `startup.StartupReport` that times the phases (artifact, tokenizer, weights, layouts).
+    An artifact's kernel layouts come from the layout cache (`layout_cache_for`) once built.
     """
-    from ..model_io import load_tokenizer
+    from .tokenizer import load_serve_tokenizer
 
-    directory, files = locate(ref)
-    config = read_config(directory)
-    spec_from_config(config)  # refuse other architectures before touching any weights
-    if not files:
-        raise ArtifactError(f"{directory}: no safetensors weights (the serve runtime loads safetensors only)")
-    dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
-    runtime = build_runtime(config, load_dir(directory, files), torch.device(device), dtype, backend)
-    return runtime, load_tokenizer(directory), config
+    with phase(startup, "artifact"):
+        directory, files = locate(ref)
+        config = read_config(directory)
+        spec_from_config(config)  # refuse other architectures before touching any weights
+        if not files:
+            raise ArtifactError(f"{directory}: no safetensors weights (the serve runtime loads safetensors only)")
+    with phase(startup, "tokenizer"):
+        tokenizer = load_serve_tokenizer(directory)
+    with phase(startup, "weights"):
+        dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+        state = load_dir(directory, files)
+    with phase(startup, "layouts"):
+        backend = _backend(backend, torch.device(device), dtype or _stored_dtype(state))
+        layouts = layout_cache_for(directory, backend, dtype or _stored_dtype(state))
+        runtime = build_runtime(config, state, torch.device(device), dtype, backend, layouts)
+        if layouts is not None:
+            layouts.save()
+            if startup is not None:
+                startup.notes["layouts"] = layouts.describe()
+    return runtime, tokenizer, config
+
+
+def layout_cache_for(directory: Path, backend: Backend, dtype: torch.dtype) -> LayoutCache | None:
+    """The layout cache of an artifact's weights on `backend` (kernels/layout_cache.py), keyed by its content
+    hash; None for a plain directory (no content hash to key it by) or a backend without CPU layouts."""
+    from ..artifact import Artifact, is_artifact
+
+    if not is_artifact(directory) or not backend.name.startswith("cpu"):
+        return None
+    identity = Artifact.open(directory, verify=False).content_hash + _LOADER_HASH
+    return LayoutCache.open(cache_dir() / "layouts", layout_key(identity, backend.name, dtype))
 
 
 def read_config(directory: Path) -> dict:
@@ -84,6 +118,10 @@ def read_config(directory: Path) -> dict:
         raise SourceError(f"{directory}/config.json cannot be read ({e.__class__.__name__}: {e})") from None
 
 
+def _no_scope(name: str):
+    return contextlib.nullcontext()
+
+
 def _stored_dtype(state: dict) -> torch.dtype:
     for name, t in state.items():
         if t.is_floating_point() and not name.endswith(("_scale", "_zero_point")):
@@ -92,9 +130,11 @@ def _stored_dtype(state: dict) -> torch.dtype:
 
 
 def build_runtime(config: dict, state: dict, device: torch.device, dtype=None,
-                  backend: "str | Backend" = "auto") -> Runtime:
+                  backend: "str | Backend" = "auto", layouts: LayoutCache | None = None) -> Runtime:
     """A Runtime for `config` with the tensors of `state` (HF names, compressed-tensors layout if quantized),
-    its modules built by `backend` (a name for `select_backend`, or a Backend)."""
+    its modules built by `backend` (a name for `select_backend`, or a Backend); their kernel layouts read
+    from or kept for `layouts` (see `layout_cache_for`)."""
+    scope = layouts.scope if layouts is not None else _no_scope
     spec = spec_from_config(config)
     qconfig = config.get("quantization_config")
     if qconfig and qconfig.get("quant_method") == "bitsandbytes":
@@ -106,12 +146,16 @@ def build_runtime(config: dict, state: dict, device: torch.device, dtype=None,
     weights = _Weights(state, qconfig, spec.num_layers, device, dtype, backend)
     for i, layer in enumerate(runtime.layers):
         for attr, parts in PROJECTIONS.items():
-            setattr(layer, attr, weights.linear([f"model.layers.{i}.{p}" for p in parts]))
+            with scope(f"layers.{i}.{attr}"):
+                setattr(layer, attr, weights.linear([f"model.layers.{i}.{p}" for p in parts]))
     runtime.load_state_dict(weights.rest(spec.num_layers), strict=False, assign=True)
-    runtime.embed_tokens, runtime.embed_scale = weights.embedding()
+    with scope("embed_tokens"):  # a quantized one is unpacked from int32 words: kept too
+        runtime.embed_tokens, runtime.embed_scale = cached_layout("embedding", weights.embedding) \
+            if EMBED in weights.schemes else weights.embedding()
     tied = spec.tie_word_embeddings or not weights.has("lm_head")
-    runtime.lm_head = weights.tied_lm_head(runtime.embed_tokens, runtime.embed_scale) if tied \
-        else weights.linear(["lm_head"])
+    with scope("lm_head"):
+        runtime.lm_head = weights.tied_lm_head(runtime.embed_tokens, runtime.embed_scale) if tied \
+            else weights.linear(["lm_head"])
     runtime.cos_sin_cache = build_cos_sin_cache(spec.head_dim, spec.max_positions, spec.rope_theta,
                                                 spec.rope_scaling or None, device=device)
     on_meta = [f"{m}.{n}" if m else n for m, module in runtime.named_modules()
@@ -186,7 +230,9 @@ class _Weights:
         bias = self._bias(names)
         if scheme is None:
             return self.backend.dense_linear(_cat([self.tensor(f"{n}.weight") for n in names]), bias)
-        fmt, tensors = _fused_tensors(scheme, [self._quant_part(n, scheme) for n in names])
+        fuse = lambda: _fused_tensors(scheme, [self._quant_part(n, scheme) for n in names])  # noqa: E731
+        # A fused projection's concatenation is a copy: the layout cache keeps it (a single one is the file's).
+        fmt, tensors = cached_layout("fused", fuse) if len(names) > 1 else fuse()
         return self.backend.quantized_linear(fmt, tensors, scheme.group_size, bias)
 
     def _bias(self, names: list[str]) -> torch.Tensor | None:

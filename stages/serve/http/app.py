@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from contextlib import asynccontextmanager
@@ -21,18 +22,22 @@ log = logging.getLogger("llmopt.serve")
 
 
 def create_app(config: ServerConfig, engine=None, loader: Callable[[], object] | None = None,
-               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_load_error: Callable[[BaseException], None] | None = None, startup=None) -> FastAPI:
     """The app serving `engine` (an LLMEngine), or the one `loader()` returns: it runs in a thread
-    of its own once the server is up, and /health answers 503 until it is done."""
+    of its own once the server is up, and /health answers 503 until it is done. startup: the process's
+    `StartupReport` (stages/serve/startup.py), completed and logged in the "serving on" line."""
     if (engine is None) == (loader is None):
         raise ValueError("give either an engine or a loader")
     state = ServerState(config)
+    state.startup = startup
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if engine is not None:
             state.attach(engine)
         else:
+            if startup is not None:
+                startup.mark("http")
             _load_in_background(state, loader, on_load_error)
         try:
             yield
@@ -71,8 +76,7 @@ def _load_in_background(state: ServerState, loader, on_load_error) -> None:
                 return
             state.attach(engine)
             _watch_ranks(engine, state, loop, on_load_error)
-            host = f"[{state.config.host}]" if ":" in state.config.host else state.config.host
-            log.info("model loaded; serving on http://%s:%d", host, state.config.port)
+            _log_ready(state)
             return
         state.load_error = error
         # Whoever passed on_load_error reports a known error (`llmopt serve`: one line, exit 2); a bug is
@@ -94,6 +98,21 @@ def _load_in_background(state: ServerState, loader, on_load_error) -> None:
 
     state.loader = threading.Thread(target=work, name="llmopt-load", daemon=True)
     state.loader.start()
+
+
+def _log_ready(state: ServerState) -> None:
+    """The "serving on" line, with the start-up report (a JSON object under --log-json)."""
+    host = f"[{state.config.host}]" if ":" in state.config.host else state.config.host
+    url = f"http://{host}:{state.config.port}"
+    report = state.startup
+    if report is not None:
+        report.ready()
+    if state.config.log_json:
+        log.info(json.dumps({"event": "ready", "url": url, "startup": report.as_dict() if report else None}))
+    elif report is not None:
+        log.info("model loaded; serving on %s; %s", url, report.summary())
+    else:
+        log.info("model loaded; serving on %s", url)
 
 
 def _watch_ranks(engine, state: ServerState, loop, on_fatal) -> None:

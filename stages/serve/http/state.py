@@ -27,6 +27,7 @@ class ServerState:
         self.loader = None  # the thread loading the model, when the app loads it
         self.in_flight: set = set()  # the Generations submitted and not yet closed
         self.refused: Counter[str] = Counter()  # 503s given before admission (draining, too many connections)
+        self.startup = None  # the process's StartupReport when the app loads the model (serve/startup.py)
 
     def attach(self, llm_engine) -> None:
         """Serve `llm_engine` (an LLMEngine): start its loop thread and open the API."""

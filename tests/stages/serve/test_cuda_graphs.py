@@ -233,7 +233,7 @@ def test_serve_enforce_eager_reaches_build_engine(model_dir, monkeypatch, argv, 
 
     seen = {}
     monkeypatch.setattr(build, "build_engine", lambda source, config, *args, **kw: seen.setdefault("config", config))
-    monkeypatch.setattr(server, "serve", lambda config, loader: loader())
+    monkeypatch.setattr(server, "serve", lambda config, loader, **kw: loader())
     assert main(["serve", str(model_dir), *argv]) == 0
     assert seen["config"].enforce_eager is enforce_eager
 

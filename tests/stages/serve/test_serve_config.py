@@ -36,12 +36,12 @@ def captured(monkeypatch):
 
     calls = {}
 
-    def build_engine(source, config, device="cpu", dtype=None, backend="auto", tp_options=None):
+    def build_engine(source, config, device="cpu", dtype=None, backend="auto", tp_options=None, **startup):
         calls["engine"] = (config, device, dtype, tp_options)
         calls["backend"] = backend
         raise Built
 
-    def serve(config, loader):
+    def serve(config, loader, startup=None):
         calls["server"] = config
         with pytest.raises(Built):
             loader()

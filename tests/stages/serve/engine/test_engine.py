@@ -37,7 +37,7 @@ def engine(tiny, num_blocks=128, block_size=4, **kw) -> LLMEngine:
 
 def hf_greedy(model, tokenizer, prompt: str, n: int) -> list[int]:
     """transformers' greedy generate, cut after the first EOS (0), as the engine stops there."""
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    ids = torch.tensor([tokenizer.encode(prompt)])
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
     return out[:out.index(0) + 1] if 0 in out else out
@@ -129,7 +129,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny):
 def test_logprobs_match_the_model(tiny):
     model, _, tokenizer = tiny
     out = engine(tiny).generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3, logprobs=2))[0]
-    ids = tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    ids = torch.tensor([tokenizer.encode(PROMPTS[0])])
     with torch.no_grad():
         lp = model(torch.cat([ids, torch.tensor([out.token_ids[:-1]])], 1)).logits[0].log_softmax(-1)
     for step, entry in enumerate(out.logprobs):

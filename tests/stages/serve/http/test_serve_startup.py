@@ -15,10 +15,12 @@ from .serve_process import TINY, free_port
 @pytest.fixture
 def served(monkeypatch):
     """The ServerConfig `llmopt serve` would serve with; nothing is loaded or bound."""
+    import llmopt.stages.serve.build as build
     import llmopt.stages.serve.http.server as server
 
     configs = []
-    monkeypatch.setattr(server, "serve", lambda config, loader: configs.append(config))
+    monkeypatch.setattr(build, "build_engine", lambda *args, **kw: None)
+    monkeypatch.setattr(server, "serve", lambda config, loader, **kw: configs.append(config))
     monkeypatch.delenv("LLMOPT_API_KEY", raising=False)
     return configs
 
