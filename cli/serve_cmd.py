@@ -85,8 +85,9 @@ def run(source: Source,
         return engine
 
     def loaded():  # in the server's loader thread, once its logging is set up
+        engine = early.result()
         log.info(describe(count))
-        return early.result()
+        return engine
 
     # The model loads while the HTTP stack imports; the server's loader thread then waits for it.
     early = EarlyLoad(load)
