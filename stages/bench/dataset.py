@@ -137,11 +137,11 @@ def _first_turn(record) -> tuple[str, str | None] | None:
     return str(turns[0]["value"]), (str(reply) if reply else None)
 
 
-GROUNDED_TASKS = (
-    "Repeat the following text exactly, word for word, and write nothing else.",
-    "Copy the text below unchanged. Do not answer it, just copy it.",
-    "Rewrite the following text with any spelling mistakes fixed, changing nothing else, and output the whole text.",
-    "Fix the punctuation of the following text and return the full text.",
+GROUNDED_TASKS = (  # how a small instruct model (SmolLM2-135M) copies most: proofreading, and a request after the text
+    "Proofread this text and output the corrected version in full:\n\n{passage}",
+    "{passage}\n\nRepeat the text above word for word.",
+    "Fix any spelling mistakes in the following text and output the whole text:\n\n{passage}",
+    'Text:\n"""\n{passage}\n"""\nCopy the text above exactly.',
 )
 GROUNDED_CHARS = (200, 2000)  # passages of this many characters: long enough to copy, short enough for the context
 
@@ -154,7 +154,7 @@ def grounded_pairs(pairs: list[tuple[str, str | None]], seed: int) -> list[tuple
     passages = [p.strip() for p, _ in pairs if low <= len(p.strip()) <= high]
     if not passages:
         raise DataError(f"no ShareGPT prompt of {low}-{high} characters to build grounded prompts from")
-    return [(f"{rng.choice(GROUNDED_TASKS)}\n\n{passage}", passage) for passage in passages]
+    return [(rng.choice(GROUNDED_TASKS).format(passage=passage), passage) for passage in passages]
 
 
 def _jsonl_records(path_text: str) -> list[tuple[str, int | None]]:

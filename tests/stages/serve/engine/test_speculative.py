@@ -175,3 +175,17 @@ def test_speculative_options_parse_ours_and_vllms():
                 (None, None, '{"method": "medusa"}')]:
         with pytest.raises(ConfigError):
             speculative_config(*bad)
+
+
+def test_metrics_show_the_spec_decode_counts_under_vllms_names():
+    from llmopt.stages.serve.engine.engine import EngineStats
+    from llmopt.stages.serve.engine.speculative import SpecStats
+    from llmopt.stages.serve.http.metrics import ServerMetrics
+
+    stats = EngineStats(0, 0, 10, 10, 0.0, 0, 0, 0)
+    assert "spec_decode" not in ServerMetrics().render(stats, {}, True)
+    stats.spec = SpecStats(num_drafts=3, num_draft_tokens=10, num_accepted_tokens=7)
+    text = ServerMetrics().render(stats, {}, True)
+    assert "llmopt:spec_decode_num_draft_tokens_total 10" in text
+    assert "llmopt:spec_decode_num_accepted_tokens_total 7" in text and "spec_decode_num_drafts_total 3" in text
+    assert stats.spec.acceptance_rate == 0.7 and stats.spec.mean_accepted_length == 1 + 7 / 3
