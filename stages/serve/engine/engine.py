@@ -70,7 +70,7 @@ class LLMEngine:
         eos = [tokenizer.eos_token_id] if eos_token_ids is None else list(eos_token_ids)
         self.eos_token_ids = frozenset(t for t in eos if t is not None)
         self.checker = RequestChecker(self.config, _vocab_size(runner))
-        self.speculator = _speculator(self.config.speculative, proposer)
+        self.speculator = _speculator(self.config.speculative, proposer, getattr(runner, "max_fused_rows", None))
         prebuild = getattr(runner, "prebuild_matmuls", None)  # CPU: every matmul shape a step can produce
         if prebuild is not None:
             prebuild(self.config.max_num_batched_tokens, self.config.seqs_per_step)
@@ -163,7 +163,7 @@ def _output(seq: Sequence, tokens: list[int], logprobs) -> RequestOutput:
         first_scheduled_time=seq.first_scheduled_time)
 
 
-def _speculator(config: SpeculativeConfig | None, proposer) -> Speculator | None:
+def _speculator(config: SpeculativeConfig | None, proposer, max_rows: int | None) -> Speculator | None:
     if config is None:
         return None
     if proposer is None and config.method == "ngram":
@@ -172,7 +172,7 @@ def _speculator(config: SpeculativeConfig | None, proposer) -> Speculator | None
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if proposer is None:
         raise ValueError(f"--speculative {config.method} needs its proposer (build_engine loads the draft model)")
-    return Speculator(config, proposer)
+    return Speculator(config, proposer, max_rows)
 
 
 def _vocab_size(runner) -> int | None:

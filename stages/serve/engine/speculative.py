@@ -98,15 +98,21 @@ class SpecStats:
 
 
 class Speculator:
-    """Asks the proposer for drafts for the batch's decoding sequences and puts them into the batch."""
+    """Asks the proposer for drafts for the batch's decoding sequences and puts them into the batch.
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer):
-        self.config, self.proposer = config, proposer
+    max_rows: the most tokens a step may have and still run on the kernels of a one-token decode step (the
+    runner's fused decode step, `ModelRunner.max_fused_rows`; None: no such limit). Other kernels round
+    differently, and a near tie could then flip a greedy token: no verify step leaves them."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_rows: int | None = None):
+        self.config, self.proposer, self.max_rows = config, proposer, max_rows
 
     def propose(self, batch, scheduler) -> None:
         """Drafts for every sequence of `batch` that decodes one token and may speculate, as many as
-        its SpecState asks for, the step's token budget, its max_tokens and max_model_len allow."""
+        its SpecState asks for, the step's token budget (and row limit), its max_tokens and max_model_len allow."""
         budget = scheduler.config.max_num_batched_tokens - batch.num_tokens
+        if self.max_rows is not None:
+            budget = min(budget, self.max_rows - batch.num_tokens)
         wanted = []
         for i, (seq, n, samples) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.samples)):
             if n != 1 or not samples or budget <= 0 or not speculates(seq):

@@ -62,11 +62,22 @@ def plain(tiny):
 @pytest.mark.parametrize("k", [1, 4])
 def test_ngram_greedy_is_token_identical_and_frees_every_block(tiny, plain, k):
     eng = engine(tiny, SpeculativeConfig("ngram", k))
-    outs = eng.generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == plain
+    assert [eng.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == plain
     stats = eng.stats()
     assert stats.spec.num_accepted_tokens > 0  # the verify path really ran and kept drafts
     assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0
+
+
+def test_ngram_two_sequences_share_the_fused_steps_rows(tiny, plain):
+    """Decodes and drafts of a step together stay within the fused decode step's rows (fp32: 4)."""
+    eng = engine(tiny, SpeculativeConfig("ngram", 4), max_num_seqs=2)
+    assert eng.speculator.max_rows == 4
+    rows = []
+    run = eng.runner.execute
+    eng.runner.execute = lambda step: rows.append(step.token_ids.shape[0] if step.is_decode else 0) or run(step)
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == plain
+    assert eng.stats().spec.num_accepted_tokens > 0 and eng.stats().num_free_blocks == eng.stats().num_blocks
+    assert max(rows) == 4  # decode steps with drafts fill the rows, never past them
 
 
 def test_ngram_one_at_a_time_and_in_multi_token_verify_layout(tiny, plain, monkeypatch):
