@@ -10,7 +10,7 @@ target checks them all, and the longest run the target agrees with is kept (plus
   they differ (the bonus), gives exactly the tokens of plain greedy decoding.
 - Greedy only: requests that sample (temperature > 0), use penalties or ask for logprobs decode plainly.
 - Backing off: each sequence adapts its K to what was accepted lately, and after verify steps that
-  accepted nothing it skips speculation for a growing number of steps (`SpecState`), so text the proposer
+  accepted nothing in a row it skips speculation for a growing number of steps (`SpecState`), so text the proposer
   cannot guess (free chat) costs little more than plain decoding.
 
 The scheduler owns the acceptance (`accept_greedy`, in `Scheduler.postprocess`, where stopping is decided);
@@ -59,9 +59,9 @@ class SpecState:
             self.k, self.misses = min(self.max_k, self.k + 1), 0
         elif accepted:
             self.k, self.misses = accepted + 1, 0
-        else:
+        else:  # one miss is cheap to retry (one draft); misses in a row pause for 1, 3, 7, ... steps
             self.k, self.misses = 1, self.misses + 1
-            self.skip = min(MAX_SKIP_STEPS, 2 ** self.misses - 1)
+            self.skip = min(MAX_SKIP_STEPS, 2 ** (self.misses - 1) - 1)
 
 
 def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:

@@ -168,7 +168,9 @@ def test_spec_state_backs_off_after_misses_and_grows_back():
     state.update(4, 1)
     assert state.wants() == 2
     state.update(2, 0)
-    assert [state.wants() for _ in range(2)] == [0, 1]  # one step paused, then one draft
+    assert state.wants() == 1  # one miss: one draft next
+    state.update(1, 0)
+    assert [state.wants() for _ in range(2)] == [0, 1]  # two in a row: one step paused
     state.update(1, 0)
     assert [state.wants() for _ in range(4)] == [0, 0, 0, 1]
     state.update(1, 1)
