@@ -202,3 +202,15 @@ def test_metrics_show_the_spec_decode_counts_under_vllms_names():
     assert "llmopt:spec_decode_num_draft_tokens_total 10" in text
     assert "llmopt:spec_decode_num_accepted_tokens_total 7" in text and "spec_decode_num_drafts_total 3" in text
     assert stats.spec.acceptance_rate == 0.7 and stats.spec.mean_accepted_length == 1 + 7 / 3
+
+
+def test_a_draft_of_another_vocabulary_is_refused_in_one_line(tiny):
+    from llmopt.stages.serve.speculative import check_vocabulary
+    from tests.helpers import make_tokenizer
+
+    tokenizer = tiny[2]
+    check_vocabulary("d", 300, 300, tokenizer, tokenizer)
+    for size, other in ((301, tokenizer), (300, make_tokenizer(200))):
+        with pytest.raises(ConfigError, match="must share the target's tokenizer") as error:
+            check_vocabulary("d", size, 300, other, tokenizer)
+        assert "\n" not in str(error.value)
