@@ -12,7 +12,7 @@ from llmopt.stages.bench.stage import OPTIONS
 from llmopt.stages.offline.config import OPTIONS as OFFLINE_OPTIONS
 
 from . import bench_view
-from .options import Backend, DType, stage_options
+from .options import Backend, DType, NumSpeculativeTokens, Speculative, stage_options
 from .ui import err, note
 
 D, OD = OPTIONS.defaults, OFFLINE_OPTIONS.defaults
@@ -57,6 +57,7 @@ def run(ctx: typer.Context,
                                         "--backend.")] = Backend(OD.backend),
         threads: Annotated[Optional[int], Opt("--threads", help="--offline: CPU threads (default: the usable CPUs).")] = OD.threads,
         repeats: Annotated[int, Opt("--repeats", help="--offline: runs per source, median reported.")] = OD.repeats,
+        speculative: Speculative = OD.speculative, num_speculative_tokens: NumSpeculativeTokens = OD.num_speculative_tokens,
         json: Annotated[Optional[Path], Opt("--json", help="Write the report as JSON to this file.")] = None,
         plot: Annotated[Optional[Path], Opt("--plot", help="Write latency CDFs and throughput to this PNG.")] = None,
         quiet: Annotated[bool, Opt("--quiet", help="No live progress display.")] = False) -> None:

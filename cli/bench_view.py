@@ -115,6 +115,11 @@ def render_offline(report: dict) -> None:
                       _num(row["output_tok_s"]), ratio, _identical(row, report["num_prompts"]),
                       _num(row.get("median_ttft_ms")), _num(row.get("median_tpot_ms")))
     out.print(table)
+    for row in report["rows"]:
+        if row.get("spec_acceptance_rate") is not None:
+            out.print(f"speculative ({report.get('speculative')}) on {row['source']}: "
+                      f"{row['spec_acceptance_rate']:.0%} of drafts accepted, "
+                      f"{row['spec_mean_accepted_length']:.2f} tokens per verify step")
 
 
 def _identical(row: dict, total: int) -> str:

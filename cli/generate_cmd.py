@@ -7,10 +7,11 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from llmopt.stages.serve.config import DEFAULTS, ServeConfig
+from llmopt.stages.serve.config import DEFAULTS, OPTIONS, ServeConfig
 from llmopt.stages.serve import generate as gen
 
-from .options import Backend, BackendOpt, DType, DTypeOpt, Json, Source, Threads
+from .options import (Backend, BackendOpt, DType, DTypeOpt, Json, NumSpeculativeTokens, Source, Speculative,
+                      SpeculativeJson, Threads)
 from .ui import err, note, out, print_json, progress_bar
 
 Prompt = Annotated[Optional[str], typer.Option("--prompt", help="One prompt; its text streams to stdout.")]
@@ -23,6 +24,7 @@ Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (
 KvMemory = Annotated[Optional[str], typer.Option(
     "--kv-cache-memory", help="KV cache: bytes (4GiB) or a fraction of free memory (0.5).")]
 Seed = Annotated[Optional[int], typer.Option("--seed", help="Per-request seed (reproducible sampling).")]
+O = OPTIONS.defaults  # the options that are no config field (--speculative)
 P = gen.DEFAULT_PARAMS  # the sampling defaults below are read from it, the engine's from ServeConfig
 
 
@@ -44,7 +46,9 @@ def run(source: Source, prompt: Prompt = None, input: Input = None, output: Outp
         kv_cache_memory: KvMemory = DEFAULTS.engine.kv_cache_memory,
         device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = DEFAULTS.device,
         dtype: DTypeOpt = DType(DEFAULTS.dtype), backend: BackendOpt = Backend(DEFAULTS.backend),
-        threads: Threads = DEFAULTS.threads, json: Json = False) -> None:
+        speculative: Speculative = O.speculative, num_speculative_tokens: NumSpeculativeTokens = O.num_speculative_tokens,
+        speculative_config: SpeculativeJson = O.speculative_config, threads: Threads = DEFAULTS.threads,
+        json: Json = False) -> None:
     from llmopt.stages.errors import ConfigError
     from llmopt.stages.serve.engine.config import SamplingParams
 
@@ -56,7 +60,8 @@ def run(source: Source, prompt: Prompt = None, input: Input = None, output: Outp
     config = ServeConfig.from_options(dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                            max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                                            device=device, dtype=dtype.value, backend=backend.value,
-                                           threads=threads))
+                                           speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+                                           speculative_config=speculative_config, threads=threads))
     if prompt is not None:
         record = gen.PromptRecord("prompt", messages=[{"role": "user", "content": prompt}], where="--prompt") if chat \
             else gen.PromptRecord("prompt", prompt, where="--prompt")
@@ -69,7 +74,8 @@ def run(source: Source, prompt: Prompt = None, input: Input = None, output: Outp
     with progress_bar(f"generate {input.name}") as update:
         report = job.run(on_progress=update)
     if json:
-        print_json(vars(report) | {"tokens_per_s": report.tokens_per_s})
+        print_json(vars(report) | {"tokens_per_s": report.tokens_per_s, "acceptance_rate": report.acceptance_rate,
+                                   "mean_accepted_length": report.mean_accepted_length})
     else:
         render(report, output)
 
@@ -91,6 +97,10 @@ def _one(engine, record, params) -> None:
                               on_delta=lambda d: print(d, end="", flush=True))
     print()
     note(f"{final.finish_reason}: {final.num_prompt_tokens} prompt tokens, {final.num_output_tokens} generated")
+    spec = engine.stats().spec
+    if spec.num_draft_tokens:
+        note(f"speculative: {spec.num_accepted_tokens}/{spec.num_draft_tokens} drafts accepted "
+             f"({spec.acceptance_rate:.0%}), {spec.mean_accepted_length:.2f} tokens per verify step")
 
 
 def render(report, output: Path) -> None:
@@ -98,4 +108,7 @@ def render(report, output: Path) -> None:
     table.add_row("requests", f"{report.written} written, {report.skipped} already done, {report.total} in the input")
     table.add_row("tokens", f"{report.prompt_tokens:,} prompt, {report.completion_tokens:,} generated")
     table.add_row("time", f"{report.seconds:.1f} s, {report.tokens_per_s:.1f} generated tokens/s")
+    if report.acceptance_rate is not None:
+        table.add_row("speculative", f"{report.spec_accepted_tokens:,}/{report.spec_draft_tokens:,} drafts accepted "
+                      f"({report.acceptance_rate:.0%}), {report.mean_accepted_length:.2f} tokens per verify step")
     out.print(table)

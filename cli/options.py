@@ -43,6 +43,16 @@ MasterPort = Annotated[Optional[int], typer.Option("--master-port", min=1, max=6
                                                    help="Rendezvous port (default: a free one, single node).")]
 
 
+Speculative = Annotated[Optional[str], typer.Option(
+    "--speculative", help="Speculative decoding of greedy requests: ngram (prompt lookup) or draft:PATH (a smaller "
+    "model with the same tokenizer).")]
+NumSpeculativeTokens = Annotated[Optional[int], typer.Option(
+    "--num-speculative-tokens", min=1, max=16, help="Draft tokens per verify step, at most (default 4).")]
+SpeculativeJson = Annotated[Optional[str], typer.Option(
+    "--speculative-config", help='vLLM\'s JSON form: {"method": "ngram", "num_speculative_tokens": 4, '
+    '"prompt_lookup_min": 1, "prompt_lookup_max": 3} or {"method": "draft_model", "model": PATH}.')]
+
+
 def stage_options(values: dict, schema) -> dict:
     """The command's values of a stage's options (`schema`, a stages.options.Options), as the stage takes
     them: every name the schema has, choices as their plain strings."""

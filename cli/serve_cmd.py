@@ -7,8 +7,8 @@ import typer
 
 from llmopt.stages.serve.config import DEFAULTS, OPTIONS, ServeConfig
 
-from .options import (Backend, BackendOpt, DType, DTypeOpt, MasterAddr, MasterPort, NNodes, NodeRank, Source, Threads,
-                      stage_options)
+from .options import (Backend, BackendOpt, DType, DTypeOpt, MasterAddr, MasterPort, NNodes, NodeRank,
+                      NumSpeculativeTokens, Source, Speculative, SpeculativeJson, Threads, stage_options)
 
 Opt = typer.Option
 E, S, T = DEFAULTS.engine, DEFAULTS.server, DEFAULTS.tp  # every default below is read from ServeConfig
@@ -53,6 +53,8 @@ def run(source: Source,
         max_wait_ms: Annotated[float, Opt("--max-wait-ms", min=0.0)] = E.max_wait_ms,
         enforce_eager: Annotated[bool, Opt("--enforce-eager", help="No CUDA graphs: decode steps launch "
                                             "their kernels one by one (CUDA, triton backend).")] = E.enforce_eager,
+        speculative: Speculative = O.speculative, num_speculative_tokens: NumSpeculativeTokens = O.num_speculative_tokens,
+        speculative_config: SpeculativeJson = O.speculative_config,
         device: Annotated[str, Opt("--device", help="cpu | cuda")] = DEFAULTS.device,
         dtype: DTypeOpt = DType(DEFAULTS.dtype), backend: BackendOpt = Backend(DEFAULTS.backend),
         nnodes: NNodes = T.nnodes, node_rank: NodeRank = T.node_rank, master_addr: MasterAddr = T.master_addr,

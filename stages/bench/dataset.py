@@ -1,4 +1,7 @@
-"""Prompts to send: ShareGPT files, JSON lines, or random prompts of a given length.
+"""Prompts to send: ShareGPT files, JSON lines, random prompts of a given length, or input-grounded prompts.
+
+`grounded` (or grounded:FILE, a ShareGPT file) asks the model to repeat or lightly edit a passage it is given,
+the passage being a ShareGPT prompt: output that copies its input, where n-gram speculation pays off.
 
 Prompt lengths in tokens are known when a tokenizer is given (`--tokenizer SOURCE`) or for random
 prompts; otherwise the server's reported usage fills them in. ShareGPT records without a reply
@@ -30,7 +33,7 @@ class BenchRequest:
 
 @dataclass(frozen=True)
 class DatasetConfig:
-    """spec: random | sharegpt | sharegpt:FILE | jsonl:FILE."""
+    """spec: random | sharegpt | sharegpt:FILE | grounded | grounded:FILE | jsonl:FILE."""
 
     spec: str = "random"
     num_prompts: int = 100
@@ -42,8 +45,9 @@ class DatasetConfig:
 
     def validate(self) -> None:
         kind = self.spec.split(":", 1)[0]
-        if kind not in ("random", "sharegpt", "jsonl") or (kind == "jsonl" and ":" not in self.spec):
-            raise ConfigError(f"--dataset {self.spec!r}: use random, sharegpt, sharegpt:FILE or jsonl:FILE")
+        if kind not in ("random", "sharegpt", "grounded", "jsonl") or (kind == "jsonl" and ":" not in self.spec):
+            raise ConfigError(f"--dataset {self.spec!r}: use random, sharegpt, sharegpt:FILE, grounded, "
+                              "grounded:FILE or jsonl:FILE")
         if self.num_prompts < 1 or self.input_len < 1 or (self.output_len is not None and self.output_len < 1):
             raise ConfigError("--num-prompts, --input-len and --output-len must be at least 1")
 
@@ -60,7 +64,11 @@ def load_requests(config: DatasetConfig, tokenizer=None) -> list[BenchRequest]:
     kind, _, where = config.spec.partition(":")
     if kind == "random":
         return [_random_request(rng, config, tokenizer) for _ in range(config.num_prompts)]
-    pairs = _sharegpt_pairs(where or "sharegpt") if kind == "sharegpt" else _jsonl_records(where)
+    if kind == "jsonl":
+        pairs = _jsonl_records(where)
+    else:
+        pairs = _sharegpt_pairs(where or "sharegpt")
+        pairs = grounded_pairs(pairs, config.seed) if kind == "grounded" else pairs
     order = list(range(len(pairs)))
     if config.shuffle:
         rng.shuffle(order)
@@ -127,6 +135,26 @@ def _first_turn(record) -> tuple[str, str | None] | None:
         return None
     reply = turns[1].get("value") if len(turns) > 1 and isinstance(turns[1], dict) else None
     return str(turns[0]["value"]), (str(reply) if reply else None)
+
+
+GROUNDED_TASKS = (  # how a small instruct model (SmolLM2-135M) copies most: proofreading, and a request after the text
+    "Proofread this text and output the corrected version in full:\n\n{passage}",
+    "{passage}\n\nRepeat the text above word for word.",
+    "Fix any spelling mistakes in the following text and output the whole text:\n\n{passage}",
+    'Text:\n"""\n{passage}\n"""\nCopy the text above exactly.',
+)
+GROUNDED_CHARS = (200, 2000)  # passages of this many characters: long enough to copy, short enough for the context
+
+
+def grounded_pairs(pairs: list[tuple[str, str | None]], seed: int) -> list[tuple[str, str]]:
+    """(prompt, expected reply) pairs asking to repeat or edit a passage, each passage a ShareGPT prompt of
+    GROUNDED_CHARS; the task of each is drawn by `seed`. The reply's length (the passage's) sets max_tokens."""
+    rng = random.Random(f"grounded-{seed}")
+    low, high = GROUNDED_CHARS
+    passages = [p.strip() for p, _ in pairs if low <= len(p.strip()) <= high]
+    if not passages:
+        raise DataError(f"no ShareGPT prompt of {low}-{high} characters to build grounded prompts from")
+    return [(rng.choice(GROUNDED_TASKS).format(passage=passage), passage) for passage in passages]
 
 
 def _jsonl_records(path_text: str) -> list[tuple[str, int | None]]:

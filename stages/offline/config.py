@@ -37,6 +37,8 @@ class OfflineConfig(FromOptions):
     backend: str = "auto"  # the engine's kernels, as `llmopt serve --backend` picks them
     threads: int | None = None  # torch threads; None keeps torch's default
     repeats: int = 1  # runs per source, in rounds over the sources; the median is reported
+    speculative: str | None = None  # the engine's speculative decoding (`llmopt serve --speculative`); None: off
+    num_speculative_tokens: int | None = None
 
     @classmethod
     def from_values(cls, o: dict) -> "OfflineConfig":
@@ -44,7 +46,7 @@ class OfflineConfig(FromOptions):
                              shuffle=not o["disable_shuffle"])
         return cls(data, o["endpoint"], o["engine"], o["max_concurrency"], o["temperature"], o["ignore_eos"],
                    o["baseline"], o["hf_batch_size"], o["dtype"], o["device"], o["backend"], o["threads"],
-                   o["repeats"])
+                   o["repeats"], o["speculative"], o["num_speculative_tokens"])
 
     @property
     def batch1(self) -> bool:
@@ -67,6 +69,12 @@ class OfflineConfig(FromOptions):
             raise ConfigError(f"--device must be cpu or cuda (got {self.device})")
         if self.temperature < 0:
             raise ConfigError(f"--temperature must be >= 0 (got {self.temperature})")
+        self.speculative_config()
+
+    def speculative_config(self):
+        from ..serve.engine.config import speculative_config
+
+        return speculative_config(self.speculative, self.num_speculative_tokens)
 
     def describe(self) -> dict:
         """The run's settings as the report stores them."""
@@ -75,7 +83,8 @@ class OfflineConfig(FromOptions):
             "mode": "batch-1 decode" if self.batch1 else "throughput", "temperature": self.temperature,
             "ignore_eos": self.ignore_eos or self.batch1, "baseline": self.baseline,
             "hf_batch_size": self.hf_batch_size, "dtype": self.dtype, "device": self.device, "backend": self.backend,
-            "repeats": self.repeats}
+            "repeats": self.repeats, "speculative": self.speculative,
+            "num_speculative_tokens": self.num_speculative_tokens}
 
 
 DEFAULTS = OfflineConfig()
@@ -85,5 +94,7 @@ OPTIONS = Options(
     dtype_option(DEFAULTS.dtype), Option("device", str, DEFAULTS.device),
     Option("backend", str, DEFAULTS.backend, choices=BACKENDS),
     Option("threads", int, DEFAULTS.threads, optional=True), Option("repeats", int, DEFAULTS.repeats),
+    Option("speculative", str, DEFAULTS.speculative, optional=True),
+    Option("num_speculative_tokens", int, DEFAULTS.num_speculative_tokens, optional=True),
 )
 OfflineConfig.OPTIONS = OPTIONS

@@ -29,8 +29,9 @@ def build(source: str, config: OfflineConfig, max_num_seqs: int):
     from ..serve.build import build_engine
     from ..serve.engine.config import EngineConfig
 
-    return build_engine(source, EngineConfig(max_num_seqs=max_num_seqs), device=config.device,
-                        dtype=parse_dtype(config.dtype), backend=config.backend)
+    engine_config = EngineConfig(max_num_seqs=max_num_seqs, speculative=config.speculative_config())
+    return build_engine(source, engine_config, device=config.device, dtype=parse_dtype(config.dtype),
+                        backend=config.backend)
 
 
 def release(engine) -> None:
@@ -92,13 +93,15 @@ def run_to_end(engine, prompts: list[Prompt], config: OfflineConfig) -> list:
     return [replace(finals[r.request_id], token_ids=tokens[r.request_id]) for r in requests]
 
 
-def decode_ms_per_token(source: str, prompts: list[Prompt], config: OfflineConfig) -> list[float]:
+def decode_ms_per_token(source: str, prompts: list[Prompt], config: OfflineConfig):
     """Batch-1 decode: each prompt alone in an otherwise idle engine, `step()` timed one by one, EOS
     ignored; per prompt, the median step after the first (which holds the prefill), in ms. A step is
-    all a decode step costs in the engine: scheduling, the model, sampling, detokenization."""
+    all a decode step costs in the engine: scheduling, the model, sampling, detokenization. With
+    speculative decoding a step may bring several tokens: then the steps' time over their tokens.
+    Returns (ms per token per prompt, the engine's speculative counts)."""
     engine = build(source, config, 1)
     try:
-        return _decode_each(engine, prompts, config)
+        return _decode_each(engine, prompts, config), engine.stats().spec
     finally:
         release(engine)
 
@@ -109,10 +112,14 @@ def _decode_each(engine, prompts: list[Prompt], config: OfflineConfig) -> list[f
     for i, prompt in enumerate(prompts):
         engine.add_request(f"decode-{i}", params=params(config, prompt.output_len + 1, i, ignore_eos=True),
                            prompt_token_ids=prompt.ids)
-        steps = []
+        steps, tokens = [], []
         while engine.has_unfinished():
             start = time.perf_counter()
-            engine.step()
+            outs = engine.step()
             steps.append(time.perf_counter() - start)
-        per_prompt.append(statistics.median(steps[1:]) * 1e3)
+            tokens.append(sum(len(o.token_ids) for o in outs))
+        if max(tokens[1:]) > 1:  # speculative steps: time per token over all the decode steps
+            per_prompt.append(sum(steps[1:]) / sum(tokens[1:]) * 1e3)
+        else:
+            per_prompt.append(statistics.median(steps[1:]) * 1e3)
     return per_prompt

@@ -23,6 +23,7 @@ class Measured:
     engine: str  # llmopt | hf
     baseline: bool = False  # the row the ratios divide by
     runs: list = field(default_factory=list)
+    spec: object = None  # the engine's SpecStats of its last batch-1 run (speculative decoding), else None
 
 
 def label(m: Measured, config: OfflineConfig) -> str:
@@ -55,8 +56,11 @@ def _throughput_row(m: Measured, config: OfflineConfig) -> dict:
 
 def _batch1_row(m: Measured, config: OfflineConfig) -> dict:
     ms = statistics.median(statistics.median(run) for run in m.runs)
-    return {"engine": label(m, config), "source": m.source, "baseline": m.baseline, "ms_per_token": ms,
-            "ms_per_token_per_prompt": m.runs[-1], "tok_s": 1e3 / ms}
+    row = {"engine": label(m, config), "source": m.source, "baseline": m.baseline, "ms_per_token": ms,
+           "ms_per_token_per_prompt": m.runs[-1], "tok_s": 1e3 / ms}
+    if m.spec is not None and m.spec.num_draft_tokens:
+        row |= {"spec_acceptance_rate": m.spec.acceptance_rate, "spec_mean_accepted_length": m.spec.mean_accepted_length}
+    return row
 
 
 def _ratio(row: dict, reference: dict | None, batch1: bool) -> float | None:

@@ -71,8 +71,10 @@ def _measure(m: Measured, prompts: list[Prompt], config: OfflineConfig, vocab: V
     gc.collect()
     hooks.status(f"{'llmopt' if m.engine == 'llmopt' else 'transformers'} on {m.source}")
     if config.batch1:
-        run = decode_ms_per_token if m.engine == "llmopt" else hf_decode_ms_per_token
-        per_prompt = run(m.source, prompts, config)
+        if m.engine == "llmopt":
+            per_prompt, m.spec = decode_ms_per_token(m.source, prompts, config)
+        else:
+            per_prompt = hf_decode_ms_per_token(m.source, prompts, config)
         hooks.status(f"  {m.source}: {statistics.median(per_prompt):.2f} ms/token")
         return per_prompt
     if m.engine == "llmopt":

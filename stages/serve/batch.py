@@ -3,6 +3,10 @@
 The engine packs every scheduled sequence's new tokens (prefill chunks and single decode tokens)
 into one flat batch; the runner writes their K/V into the paged cache at `slot_mapping`, attends
 over each sequence's blocks and returns logits only at `logits_indices`.
+
+A speculative verify step (engine/speculative.py) brings one sequence's last token and its drafts as
+single-token rows that share its block table, row i's context ending at its own token. So the runner
+must write every row's K/V into the cache before any row attends (every backend does).
 """
 from __future__ import annotations
 

@@ -42,7 +42,14 @@ def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None
     with phase(startup, "engine"):
         if not config.enforce_eager and graphs_apply(runtime):
             runner.try_capture_decode_graphs(graph_batch_sizes(config.seqs_per_step))
-        engine = LLMEngine(runner, tokenizer, config, eos_token_ids=eos_token_ids(model_config, tokenizer))
+        proposer = None
+        if config.speculative is not None and config.speculative.method == "draft":
+            from .speculative import load_draft
+
+            proposer = load_draft(config, runtime, tokenizer, device, dtype, backend,
+                                  lambda draft: _num_blocks(config, draft.spec, draft))
+        engine = LLMEngine(runner, tokenizer, config, eos_token_ids=eos_token_ids(model_config, tokenizer),
+                           proposer=proposer)
     if background_prebuild:
         _prebuild_in_background(runner, engine.config)
     return engine
@@ -86,6 +93,7 @@ def _num_blocks(config: EngineConfig, spec, runtime) -> int:
 def _build_tp_engine(art, config: EngineConfig, device, dtype, backend, tp_options) -> LLMEngine:
     """Rank 0 of a sharded artifact: start the group, load this rank's shard, size the cache for the
     rank holding the most KV heads (every rank allocates the same number of blocks)."""
+    from ..errors import ConfigError
     from ..model_io import load_tokenizer
     from .loader import read_config
     from .config import TPOptions
@@ -94,6 +102,8 @@ def _build_tp_engine(art, config: EngineConfig, device, dtype, backend, tp_optio
     from .tp.runtime import load_rank_runtime, max_local_kv_heads
 
     plan = art.tensor_parallel
+    if config.speculative is not None and config.speculative.method == "draft":
+        raise ConfigError("--speculative draft:PATH does not run with a sharded artifact; use ngram")
     group = RankGroup(art.path, plan["tp"], tp_options or TPOptions(), device, dtype, backend).start()
     atexit.register(group.close)
     try:

@@ -15,7 +15,7 @@ from llmopt.kernels.threads import check_threads
 
 from ..errors import ConfigError
 from ..options import DTYPES, FromOptions, Option, Options, dtype_option
-from .engine.config import EngineConfig
+from .engine.config import EngineConfig, speculative_config
 from .http.config import ServerConfig
 
 
@@ -66,7 +66,8 @@ class ServeConfig(FromOptions):
     @classmethod
     def from_values(cls, o: dict) -> ServeConfig:
         """The config for every option's value (the command's names; see OPTIONS)."""
-        engine = EngineConfig(**{name: o[name] for name in ENGINE_OPTIONS})
+        speculative = speculative_config(o["speculative"], o["num_speculative_tokens"], o["speculative_config"])
+        engine = EngineConfig(**{name: o[name] for name in ENGINE_OPTIONS}, speculative=speculative)
         server = {name: o[name] for name in SERVER_OPTIONS}
         server |= {f"{name}_s": o[name] for name in SERVER_SECONDS}
         server["api_key"] = read_api_key(o["api_key"], o["api_key_file"])
@@ -121,6 +122,8 @@ OPTIONS = Options(  # in `llmopt serve`'s order
     Option("max_model_len", int, _E.max_model_len, optional=True),
     Option("max_batch_size", int, _E.max_batch_size, optional=True), Option("max_wait_ms", float, _E.max_wait_ms),
     Option("enforce_eager", bool, _E.enforce_eager),
+    Option("speculative", str, None, optional=True), Option("num_speculative_tokens", int, None, optional=True),
+    Option("speculative_config", str, None, optional=True),
     Option("device", str, DEFAULTS.device), dtype_option(DEFAULTS.dtype),
     Option("backend", str, DEFAULTS.backend, choices=BACKENDS),
     Option("nnodes", int, _T.nnodes), Option("node_rank", int, _T.node_rank), Option("master_addr", str, _T.master_addr),

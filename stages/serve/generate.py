@@ -40,10 +40,23 @@ class GenerateReport:
     prompt_tokens: int
     completion_tokens: int
     seconds: float
+    spec_verify_steps: int = 0  # speculative decoding: verify steps with drafts, drafts, drafts accepted
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Drafts accepted per draft proposed (None without speculation)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verify step appended on average (accepted drafts plus the target's own)."""
+        return 1 + self.spec_accepted_tokens / self.spec_verify_steps if self.spec_verify_steps else None
 
 
 def read_prompts(path: Path) -> list[PromptRecord]:
@@ -136,7 +149,7 @@ class GenerateJob:
         self.requests = [_request(engine, r, params) for r in self.todo.values()]
 
     def run(self, on_progress: Callable[[int, int], None] = lambda done, total: None) -> GenerateReport:
-        start = time.perf_counter()
+        start, before = time.perf_counter(), self.engine.stats().spec
         report = GenerateReport(self.total, self.total - len(self.todo), 0, 0, 0, 0.0)
         on_progress(0, len(self.todo))
         self.output.parent.mkdir(parents=True, exist_ok=True)
@@ -153,6 +166,10 @@ class GenerateJob:
                         report.completion_tokens += out.num_output_tokens
                         on_progress(report.written, len(self.todo))
         report.seconds = time.perf_counter() - start
+        after = self.engine.stats().spec
+        report.spec_verify_steps = after.num_drafts - before.num_drafts
+        report.spec_draft_tokens = after.num_draft_tokens - before.num_draft_tokens
+        report.spec_accepted_tokens = after.num_accepted_tokens - before.num_accepted_tokens
         return report
 
 

@@ -170,6 +170,12 @@ class ModelRunner:
         return self.runtime.vocab_size
 
     @property
+    def max_fused_rows(self) -> int | None:
+        """The most rows a decode step may have and still run the fused decode step (None: there is none). A
+        speculative verify step stays within it, so its rows run the kernels a one-token decode runs."""
+        return None if self.fused_decode is None else self.fused_decode.max_rows
+
+    @property
     def max_model_len(self) -> int:
         """Longest sequence the runtime can position (RoPE table, sliding window)."""
         return self.runtime.spec.max_positions

@@ -81,6 +81,24 @@ class BlockManager:
         for _ in range(self.blocks_for(seq.num_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free())
 
+    def reserve(self, seq: Sequence, extra: int) -> int:
+        """Slots for up to `extra` tokens past `seq`'s last one (a verify step's drafts), as many as free blocks
+        allow; returns how many have a slot. `trim` gives back what the accepted tokens do not use."""
+        have = len(seq.block_table) * self.block_size - seq.num_tokens
+        extra = min(extra, have + self.num_free_blocks * self.block_size)
+        for _ in range(self.blocks_for(seq.num_tokens + extra) - len(seq.block_table)):
+            seq.block_table.append(self._take_free())
+        return extra
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past `seq`'s tokens (reserved for drafts that were rejected). They were never full
+        and computed, so they hold no prefix-cache hash."""
+        while len(seq.block_table) > self.blocks_for(seq.num_tokens):
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free.append(block.block_id)
+
     def commit(self, seq: Sequence) -> None:
         """Publish `seq`'s newly full, computed blocks in the prefix cache (after their K/V are written)."""
         if not self.enable_prefix_caching:

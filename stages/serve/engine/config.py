@@ -4,11 +4,13 @@ Both are frozen and validated on construction, so an engine never holds an incon
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 
 from ...errors import ConfigError
 
 FINISH_REASONS = ("stop", "length", "abort")
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 class RequestRejected(ConfigError):
@@ -17,6 +19,75 @@ class RequestRejected(ConfigError):
 
 class ContextLengthExceeded(RequestRejected):
     """The prompt plus max_tokens (or plus one new token, without max_tokens) passes max_model_len."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the engine speculates (`--speculative ngram|draft:PATH`, `--num-speculative-tokens K`, or vLLM's
+    `--speculative-config` JSON: method, model, num_speculative_tokens, prompt_lookup_min/max)."""
+
+    method: str = "ngram"  # ngram | draft
+    num_speculative_tokens: int = 4  # K: drafts per verify step (at most; each sequence adapts its own)
+    model: str | None = None  # draft: the draft model's source (same tokenizer and vocabulary as the target)
+    prompt_lookup_min: int = 1  # ngram: the shortest suffix matched
+    prompt_lookup_max: int = 3  # ngram: the longest suffix matched (tried first)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"--speculative {self.method!r}: use ngram or draft:PATH")
+        if self.method == "draft" and not self.model:
+            raise ConfigError("--speculative draft needs the draft model: draft:PATH")
+        if self.method == "ngram" and self.model:
+            raise ConfigError("--speculative ngram takes no model (draft:PATH uses one)")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ConfigError(f"--num-speculative-tokens must be between 1 and 16 (got {k!r})")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(f"prompt_lookup_min ({self.prompt_lookup_min}) and prompt_lookup_max "
+                              f"({self.prompt_lookup_max}) must satisfy 1 <= min <= max")
+
+    def describe(self) -> str:
+        what = "n-gram lookup" if self.method == "ngram" else f"draft model {self.model}"
+        return f"{what}, up to {self.num_speculative_tokens} tokens per step"
+
+
+_VLLM_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft"}
+_VLLM_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+def speculative_config(spec: str | None, num_tokens: int | None = None,
+                       json_config: str | None = None) -> SpeculativeConfig | None:
+    """The config of `--speculative ngram|draft:PATH` and `--num-speculative-tokens`, or of vLLM's
+    `--speculative-config` JSON (not both); None when neither is given."""
+    if spec is not None and json_config is not None:
+        raise ConfigError("give --speculative or --speculative-config, not both")
+    if json_config is not None:
+        return _from_json(json_config, num_tokens)
+    if spec is None:
+        if num_tokens is not None:
+            raise ConfigError("--num-speculative-tokens needs --speculative ngram|draft:PATH")
+        return None
+    method, _, model = spec.partition(":")
+    extra = {} if num_tokens is None else {"num_speculative_tokens": num_tokens}
+    return SpeculativeConfig(method.strip(), model=model or None, **extra)
+
+
+def _from_json(text: str, num_tokens: int | None) -> SpeculativeConfig:
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"--speculative-config is not JSON ({e})") from None
+    if not isinstance(data, dict) or set(data) - set(_VLLM_KEYS):
+        raise ConfigError(f"--speculative-config: a JSON object with the keys {', '.join(_VLLM_KEYS)}")
+    method = _VLLM_METHODS.get(data.get("method") or ("draft_model" if data.get("model") else "ngram"))
+    if method is None:
+        raise ConfigError(f"--speculative-config method {data['method']!r}: use ngram or draft_model")
+    data = data | {"method": method}
+    if num_tokens is not None:
+        data["num_speculative_tokens"] = num_tokens
+    lookup_max = data.get("prompt_lookup_max", SpeculativeConfig.prompt_lookup_max)
+    data.setdefault("prompt_lookup_min", min(SpeculativeConfig.prompt_lookup_min, lookup_max))
+    return SpeculativeConfig(**data)
 
 
 @dataclass(frozen=True)
@@ -33,6 +104,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs: every decode step launches its kernels one by one
     enable_prefix_caching: bool = True
     seed: int = 0  # the engine's generator for requests without their own seed
+    speculative: SpeculativeConfig | None = None  # speculative decoding (greedy requests); None: off
 
     def __post_init__(self) -> None:
         self.validate()

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .config import EngineConfig, SamplingParams
+from .config import EngineConfig, SamplingParams, SpeculativeConfig
 from .detokenizer import OutputText
 from .inputs import build_step_input
 from .request import Request, RequestChecker, prompt_ids
 from .sampling import Sampler, SamplerOutput, TokenLogprobs
 from .scheduler import Scheduler
+from .speculative import SpecStats, Speculator
 from .sequence import Sequence
 
 
@@ -51,12 +52,15 @@ class EngineStats:
     num_preemptions: int
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     num_queued_prompt_tokens: int = 0  # prompt tokens of unfinished requests without an output token yet
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's counts (zero without it)
 
 
 class LLMEngine:
     """Owns the scheduler (and through it every unfinished request), the runner and the sampler."""
 
-    def __init__(self, runner, tokenizer, config: EngineConfig, eos_token_ids=None):
+    def __init__(self, runner, tokenizer, config: EngineConfig, eos_token_ids=None, proposer=None):
+        """proposer: the drafts' source when `config.speculative` is set (n-gram lookup is made here; a draft
+        model's `DraftProposer` comes from whoever loaded the model, see stages/serve/build.py)."""
         if runner.block_size != config.block_size:
             raise ValueError(f"runner block size {runner.block_size} != engine block size {config.block_size}")
         self.config = config.resolved(runner.num_blocks, runner.max_model_len)
@@ -67,6 +71,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(t for t in eos if t is not None)
         self.checker = RequestChecker(self.config, _vocab_size(runner))
         self.thread_governor = None  # CPU: set by the command (llmopt.kernels.threads.governor_for), ticked per step
+        self.speculator = _speculator(self.config.speculative, proposer, getattr(runner, "max_fused_rows", None))
         prebuild = getattr(runner, "prebuild_matmuls", None)  # CPU: every matmul shape a step can produce
         if prebuild is not None:
             prebuild(self.config.max_num_batched_tokens, self.config.seqs_per_step)
@@ -92,6 +97,8 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now and free its blocks; its final output, or None if it is unknown or done."""
         seq = self.scheduler.abort(str(request_id))
+        if seq is not None and self.speculator is not None:
+            self.speculator.release(seq)
         return None if seq is None else _output(seq, [], None)
 
     def has_unfinished(self) -> bool:
@@ -105,12 +112,19 @@ class LLMEngine:
             return []
         if self.thread_governor is not None:  # here: torch's thread count is per thread, and this one runs the step
             self.thread_governor.tick()
+        if self.speculator is not None:
+            self.speculator.propose(batch, self.scheduler)
         logits = self.runner.execute(build_step_input(batch, self.config.block_size))
-        seqs = batch.sampled_seqs
-        sampled = self.sampler(logits, seqs) if seqs else SamplerOutput([], [])
-        self.scheduler.postprocess(batch, sampled.token_ids)
-        return [_output(seq, [token], [lp] if lp else None)
-                for seq, token, lp in zip(seqs, sampled.token_ids, sampled.logprobs)]
+        rows = batch.sampled_seqs  # a verify step's sequence has a row per draft, plus one
+        sampled = self.sampler(logits, rows) if rows else SamplerOutput([], [])
+        appended = self.scheduler.postprocess(batch, sampled.token_ids)
+        firsts = [i for i, seq in enumerate(rows) if i == 0 or rows[i - 1] is not seq]
+        if self.speculator is not None:
+            for i in firsts:
+                if rows[i].is_finished:
+                    self.speculator.release(rows[i])
+        return [_output(rows[i], tokens, [sampled.logprobs[i]] if sampled.logprobs[i] else None)
+                for i, tokens in zip(firsts, appended)]
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.scheduler.block_manager
@@ -118,7 +132,7 @@ class LLMEngine:
                            num_free_blocks=bm.num_free_blocks, kv_cache_usage=bm.usage,
                            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
                            num_preemptions=s.num_preemptions, finished=dict(s.finished_by_reason),
-                           num_queued_prompt_tokens=s.num_queued_prompt_tokens)
+                           num_queued_prompt_tokens=s.num_queued_prompt_tokens, spec=replace(s.spec_stats))
 
     def generate(self, prompts: list[str] | list[list[int]],
                  params: SamplingParams | None = None) -> list[RequestOutput]:
@@ -150,6 +164,18 @@ def _output(seq: Sequence, tokens: list[int], logprobs) -> RequestOutput:
         num_output_tokens=seq.num_output_tokens, logprobs=logprobs, arrival_time=seq.arrival_time,
         first_token_time=seq.first_token_time, finish_time=seq.finish_time,
         first_scheduled_time=seq.first_scheduled_time)
+
+
+def _speculator(config: SpeculativeConfig | None, proposer, max_rows: int | None) -> Speculator | None:
+    if config is None:
+        return None
+    if proposer is None and config.method == "ngram":
+        from .ngram import NgramProposer
+
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if proposer is None:
+        raise ValueError(f"--speculative {config.method} needs its proposer (build_engine loads the draft model)")
+    return Speculator(config, proposer, max_rows)
 
 
 def _vocab_size(runner) -> int | None:

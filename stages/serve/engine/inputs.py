@@ -7,30 +7,55 @@ from ..batch import StepInput
 from .scheduler import ScheduledBatch
 
 
-def build_step_input(batch: ScheduledBatch, block_size: int) -> StepInput:
+class StepBuilder:
+    """The lists of one StepInput, filled sequence by sequence (`add`), then made tensors (`build`)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.token_ids, self.positions, self.slots, self.logits_indices = [], [], [], []
+        self.cu_seqlens, self.context_lens, self.tables = [0], [], []
+
+    def add(self, tokens: list[int], start: int, table: list[int], sampled_rows: int, as_rows: bool = False) -> None:
+        """`tokens` at positions start.. of a sequence with blocks `table`; its last `sampled_rows` tokens
+        give logits. as_rows: each token as a sequence of its own, sharing the table, whose context ends at
+        that token (a verify step: a decode step for the runner, which its fused path takes; every backend
+        writes a step's K/V before it attends, so each row sees the rows before it)."""
+        bs, n = self.block_size, len(tokens)
+        self.token_ids += tokens
+        self.positions += range(start, start + n)
+        self.slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        ends = range(start + 1, start + n + 1) if as_rows else [start + n]
+        for end in ends:
+            self.cu_seqlens.append(self.cu_seqlens[-1] + (1 if as_rows else n))
+            self.context_lens.append(end)
+            self.tables.append(table)
+        total = len(self.token_ids)
+        self.logits_indices += range(total - sampled_rows, total)
+
+    def build(self) -> StepInput:
+        width = max(len(t) for t in self.tables)
+        cu = self.cu_seqlens
+        return StepInput(
+            token_ids=torch.tensor(self.token_ids, dtype=torch.int64),
+            positions=torch.tensor(self.positions, dtype=torch.int64),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+            context_lens=torch.tensor(self.context_lens, dtype=torch.int32),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int32),
+            slot_mapping=torch.tensor(self.slots, dtype=torch.int64),
+            max_query_len=max(b - a for a, b in zip(cu, cu[1:])),
+            logits_indices=torch.tensor(self.logits_indices, dtype=torch.int64),
+        )
+
+
+def build_step_input(batch: ScheduledBatch, block_size: int, verify_as_rows: bool = True) -> StepInput:
     """CPU tensors for one step: each sequence's next `n` uncomputed tokens, their positions and
     cache slots, and the rows whose logits are sampled (the last token of a sequence that
-    reaches its end; a prefill chunk that stops short of it needs none)."""
-    token_ids, positions, slots, logits_indices = [], [], [], []
-    cu_seqlens, context_lens = [0], []
-    for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
-        start, table = seq.num_computed_tokens, seq.block_table
-        token_ids += seq.token_ids[start:start + n]
-        positions += range(start, start + n)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
-        cu_seqlens.append(cu_seqlens[-1] + n)
-        context_lens.append(start + n)
-        if samples:
-            logits_indices.append(cu_seqlens[-1] - 1)
-    width = max(len(s.block_table) for s in batch.seqs)
-    tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
-    return StepInput(
-        token_ids=torch.tensor(token_ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=max(batch.num_new_tokens),
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-    )
+    reaches its end; a prefill chunk that stops short of it needs none). A sequence with drafts
+    brings its last token and the drafts, every one sampled (one row each unless not verify_as_rows)."""
+    step = StepBuilder(block_size)
+    for seq, n, samples, drafts in zip(batch.seqs, batch.num_new_tokens, batch.samples, batch.drafts):
+        start = seq.num_computed_tokens
+        tokens = seq.token_ids[start:start + n] + drafts
+        step.add(tokens, start, seq.block_table, (len(drafts) + 1) if samples else 0,
+                 as_rows=bool(drafts) and verify_as_rows)
+    return step.build()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from .block_manager import BlockManager
 from .config import EngineConfig, RequestRejected
 from .sequence import Sequence, SequenceStatus
+from .speculative import SpecStats, accept_greedy
 from .stopping import append_token
 
 
@@ -24,6 +25,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # tokens each sequence runs this step
     samples: list[bool] = field(default_factory=list)  # whether they reach its end, so its next token is sampled
+    drafts: list[list[int]] = field(default_factory=list)  # speculative tokens verified after its last one
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -32,14 +34,16 @@ class ScheduledBatch:
         self.seqs.append(seq)
         self.num_new_tokens.append(n)
         self.samples.append(seq.num_computed_tokens + n == seq.num_tokens)
+        self.drafts.append([])
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+        return sum(self.num_new_tokens) + sum(map(len, self.drafts))
 
     @property
     def sampled_seqs(self) -> list[Sequence]:
-        return [s for s, sample in zip(self.seqs, self.samples) if sample]
+        """The sequence of every sampled row, in row order: a verify step's sequence once per draft, plus one."""
+        return [s for s, sample, d in zip(self.seqs, self.samples, self.drafts) if sample for _ in range(len(d) + 1)]
 
 
 class Scheduler:
@@ -53,6 +57,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.num_preemptions = 0
         self.finished_by_reason: Counter[str] = Counter()
+        self.spec_stats = SpecStats()
 
     def add(self, seq: Sequence) -> None:
         """Queue a checked sequence (see RequestChecker) at the back."""
@@ -128,17 +133,47 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> None:
-        """Account for a finished step: `sampled` holds one new token per sequence in
-        `batch.sampled_seqs`, in that order. Sequences that end with their token are finished and freed."""
-        new_tokens = iter(sampled)
-        for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
-            seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
-            if samples:
-                reason = append_token(seq, next(new_tokens), self.config.max_model_len)
-                if reason:
-                    self.finish(seq, reason)
+    def add_drafts(self, batch: ScheduledBatch, index: int, drafts: list[int]) -> None:
+        """Verify `drafts` after the last token of the batch's sequence `index` (a decode) in this step,
+        as many as free blocks have slots for."""
+        seq = batch.seqs[index]
+        batch.drafts[index] = drafts[:self.block_manager.reserve(seq, len(drafts))]
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[list[int]]:
+        """Account for a finished step: `sampled` holds one token per row of `batch.sampled_seqs`, in that
+        order. Returns the tokens appended to each sampled sequence (more than one where drafts were
+        accepted). Sequences that end with a token are finished and freed; later tokens are dropped."""
+        rows, appended = iter(sampled), []
+        for seq, n, samples, drafts in zip(batch.seqs, batch.num_new_tokens, batch.samples, batch.drafts):
+            if not samples:
+                seq.num_computed_tokens += n
+                self.block_manager.commit(seq)
+                continue
+            tokens = accept_greedy(drafts, [next(rows) for _ in range(len(drafts) + 1)])
+            if drafts:
+                self._count_verify(seq, len(drafts), len(tokens) - 1)
+            appended.append(self._append(seq, n + len(tokens) - 1, tokens))
+        return appended
+
+    def _append(self, seq: Sequence, computed: int, tokens: list[int]) -> list[int]:
+        """Append `tokens` to `seq` until one ends it; `computed` tokens of this step have their K/V kept
+        (its scheduled ones and the accepted drafts). The tokens appended."""
+        for i, token in enumerate(tokens):
+            reason = append_token(seq, token, self.config.max_model_len)
+            if reason:
+                self.finish(seq, reason)
+                return tokens[:i + 1]
+        seq.num_computed_tokens += computed
+        self.block_manager.commit(seq)
+        self.block_manager.trim(seq)
+        return tokens
+
+    def _count_verify(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        stats = self.spec_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += proposed
+        stats.num_accepted_tokens += accepted
+        seq.spec.update(proposed, accepted)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` now (a stop condition, or an abort) and free its blocks."""

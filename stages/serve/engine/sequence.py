@@ -41,6 +41,7 @@ class Sequence:
         self.finish_time: float | None = None
         self.generator = None  # the request's own torch.Generator when params.seed is set (made by the sampler)
         self.output_text = output_text  # its OutputText (detokenizer + stop strings); None: tokens only
+        self.spec = None  # its SpecState once the engine speculates for it (speculative.py)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "

@@ -47,6 +47,7 @@ class ServerMetrics:
                                            "cache.", stats.prefix_cache_queries)
             lines += prom.counter_snapshot(p + "prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
                                            stats.prefix_cache_hits)
+            lines += _spec_decode(p, stats)
         lines += prom.counter_snapshot(p + "requests_rejected_total", "Requests refused with 503: the queue bounds, "
                                        "a drain, too many connections.",
                                        {k: rejected.get(k, 0) for k in REJECT_REASONS}, "reason")
@@ -54,6 +55,20 @@ class ServerMetrics:
         for histogram in self.histograms:
             lines += histogram.render()
         return "\n".join(lines) + "\n"
+
+
+def _spec_decode(p: str, stats) -> list[str]:
+    """Speculative decoding's counts under vLLM's names (acceptance rate = accepted / draft tokens; mean
+    accepted length = 1 + accepted / drafts); nothing when the engine does not speculate."""
+    spec = getattr(stats, "spec", None)
+    if spec is None or not spec.num_drafts:
+        return []
+    return (prom.counter_snapshot(p + "spec_decode_num_drafts_total", "Verify steps of a sequence with drafts.",
+                                  spec.num_drafts)
+            + prom.counter_snapshot(p + "spec_decode_num_draft_tokens_total", "Draft tokens proposed.",
+                                    spec.num_draft_tokens)
+            + prom.counter_snapshot(p + "spec_decode_num_accepted_tokens_total", "Draft tokens accepted.",
+                                    spec.num_accepted_tokens))
 
 
 class SequenceTrace:

@@ -111,3 +111,15 @@ def test_a_sharded_artifact_agrees_with_its_source_token_for_token(tiny_hf, tmp_
     source, tp2 = report["rows"]
     assert source["identical_to_first"] is None and tp2["identical_to_first"] == 3
     assert tp2["output_tokens"] == source["output_tokens"] == 15
+
+
+def test_batch1_with_ngram_speculation_reports_acceptance(tiny_hf, tmp_path):
+    prompts = tmp_path / "loops.jsonl"  # a tiny random model loops on these, which n-gram lookup guesses
+    prompts.write_text('{"prompt": "a b c d a b c d a b c d a b"}\n{"prompt": "twelve twelve twelve twelve"}\n')
+    report = _offline(tmp_path, [tiny_hf[0]], "--num-prompts", "2", "--output-len", "24", "--max-concurrency", "1",
+                      "--baseline", "none", "--speculative", "ngram", "--num-speculative-tokens", "3",
+                      "--dataset", f"jsonl:{prompts}")
+    assert report["speculative"] == "ngram" and report["num_speculative_tokens"] == 3
+    (engine,) = report["rows"]
+    assert 0 < engine["spec_acceptance_rate"] <= 1 and engine["spec_mean_accepted_length"] > 1
+    assert engine["tok_s"] == pytest.approx(1e3 / engine["ms_per_token"])
