@@ -145,8 +145,9 @@ class CpuNativeBackend(CpuTorchBackend):
         if native is None:
             return self._torch_route(fmt, layer)
         large = self._torch_kernel(fmt, layer)
-        if large is None:  # beyond the GEMV's rows: a dense copy, on oneDNN
-            layer.dense = DenseLinear(dequantized(layer).to(self.dtype or torch.float32), layer.bias).prepare(False)
+        if large is None:  # beyond the GEMV's rows: a dense copy, on oneDNN (which alone keeps it)
+            layer.dense = DenseLinear(dequantized(layer).to(self.dtype or torch.float32), layer.bias).prepare(
+                False, above_rows=native.max_rows)
             large = layer.dense.forward
         layer.native = native
         return layer.route(large, native, native.max_rows)
