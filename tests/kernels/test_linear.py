@@ -199,3 +199,21 @@ def test_dense_fallback_keeps_only_onednn_copy():
             self.lm_head.dense = layer
 
     assert prebuild_row_buckets(Model(), max_tokens=512, max_logit_rows=16) == 8  # rows 9..16
+
+
+@pytest.mark.parametrize("fmt", ["w4a16", "w8a16"])
+def test_dequantized_in_row_chunks_equals_the_whole(monkeypatch, fmt):
+    # asymmetric, 40 rows in chunks of 16: W4 zero points are packed 8 rows a word, the last chunk is ragged
+    from llmopt.kernels import W8A16Linear, cpu_backends
+    from llmopt.kernels.wq_matmul import dequantize
+
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
+    if fmt == "w4a16":
+        layer = W4A16Linear.from_compressed(quantize_int4(w, 32, False), 32)
+        whole = w4a16_dequantize(layer.weight_packed, layer.weight_scale, 64, layer.weight_zero_point, 32)
+    else:
+        layer = W8A16Linear.from_compressed(quantize_int8(w, symmetric=False))
+        whole = dequantize(layer.weight, layer.weight_scale, layer.weight_zero_point, layer.group_size)
+    monkeypatch.setattr(cpu_backends, "DEQUANT_ROWS", 16)
+    assert torch.equal(cpu_backends.dequantized(layer), whole)
+    assert torch.equal(cpu_backends.dequantized(layer, torch.bfloat16), whole.to(torch.bfloat16))
