@@ -154,7 +154,7 @@ def account_runtime(runtime, kv_cache: torch.Tensor | None = None) -> Ledger:
 def run_memory(source: str, config: ProfileConfig, hooks: StageHooks | None = None) -> dict:
     """Build `source`'s serving process here, phase by phase, and account for its RSS."""
     from ..model_io import parse_dtype
-    from ..serve.build import kv_cache_plan
+    from ..serve.build import kv_cache_plan, release_free_heap
     from ..serve.engine.config import EngineConfig, SamplingParams
     from ..serve.engine.engine import LLMEngine
     from ..model_io import load_tokenizer
@@ -175,6 +175,7 @@ def run_memory(source: str, config: ProfileConfig, hooks: StageHooks | None = No
     runtime = build_runtime(read_config(directory), load_dir(directory, files), torch.device(config.device),
                             parse_dtype(config.dtype), config.backend)
     gc.collect()
+    release_free_heap()  # as `serve.build.build_engine` does
     phases["loaded"] = process_memory()
     plan = kv_cache_plan(engine_config, runtime.spec, runtime, announce=False)
     runner = ModelRunner(runtime, plan.num_blocks, plan.block_size)
