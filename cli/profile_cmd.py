@@ -1,6 +1,7 @@
 """llmopt profile SOURCE [SOURCE ...]: latency, roofline, per-layer/op time, memory and capacity on
 the serve engine's code path, as tables, --json FILE and a self-contained --html FILE; or, instead of
-that sweep, the memory soak (--soak N), one decode step's matmuls (--kernels), a synthetic model
+that sweep, where a serving process's memory goes (--memory), the memory soak (--soak N), one decode
+step's matmuls (--kernels), a synthetic model
 (--synthetic SHAPE: the engine, --kernel-speed, --check-greedy, --save-model DIR) or the GPU check's
 verdict (--acceptance DIR)."""
 from __future__ import annotations
@@ -70,6 +71,13 @@ def run(sources: Sources = None,
         acceptance: Annotated[Optional[str], _opt("--acceptance", "Instead: the GPU check's PASS/FAIL table from "
                                                                   "its reports in DIR; exit 1 if a row fails.")]
         = D.acceptance,
+        memory: Annotated[bool, _opt("--memory", "Instead: every byte of a serving process of SOURCE, per "
+                                                 "category (weights, kernel copies, KV cache, primitives).")] = D.memory,
+        max_model_len: Annotated[Optional[int], _opt("--max-model-len", "--memory: as `llmopt serve` (sizes the "
+                                                                        "KV cache).")] = D.max_model_len,
+        max_num_seqs: Annotated[int, _opt("--max-num-seqs", "--memory: as `llmopt serve`.")] = D.max_num_seqs,
+        kv_cache_memory: Annotated[Optional[str], _opt("--kv-cache-memory", "--memory: as `llmopt serve`.")]
+        = D.kv_cache_memory,
         per_layer: Annotated[bool, _opt("--per-layer", "Print every layer's row in the terminal.")] = False) -> None:
     from llmopt.stages.profile.config import ProfileConfig
     from llmopt.stages.profile.html import check_output_path, write_report
@@ -96,7 +104,7 @@ def run(sources: Sources = None,
 
 
 def _measure(sources: list[str], config, json_file: Optional[Path], html_file: Optional[Path]) -> int:
-    """--soak, --kernels, --synthetic or --acceptance: the exit code (1: the soak, the greedy check or the
+    """--memory, --soak, --kernels, --synthetic or --acceptance: the exit code (1: the soak, the greedy check or the
     acceptance failed)."""
     from llmopt.stages.errors import ConfigError
     from llmopt.stages.profile.html import write_report

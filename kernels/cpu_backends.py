@@ -45,12 +45,26 @@ _TORCH_KERNELS = {  # format -> (pack the layer for torch's CPU kernel or None, 
 }
 
 
-def dequantized(layer: QuantLinear) -> torch.Tensor:
-    """The dense fp32 weight [N, K] = (q - zero) * scale that a weight-only quantized layer represents."""
-    if isinstance(layer, W4A16Linear):
-        return w4a16_dequantize(layer.weight_packed, layer.weight_scale, layer.in_features, layer.weight_zero_point,
-                                layer.group_size)
-    return dequantize(layer.weight, layer.weight_scale, layer.weight_zero_point, layer.group_size)
+DEQUANT_ROWS = 4096  # output rows dequantized at once (a multiple of 8: W4 zero points pack 8 rows a word)
+
+
+def dequantized(layer: QuantLinear, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The dense weight [N, K] = (q - zero) * scale that a weight-only quantized layer represents, in `dtype`
+    (computed in fp32, then rounded). Made DEQUANT_ROWS rows at a time: a whole large weight's fp32
+    intermediates (an lm_head's: several times its dense size) would set the process's peak memory."""
+    n = layer.out_features
+    out = torch.empty(n, layer.in_features, dtype=dtype, device=layer.weight_scale.device)
+    for start in range(0, n, DEQUANT_ROWS):
+        end = min(n, start + DEQUANT_ROWS)
+        zero = layer.weight_zero_point
+        if isinstance(layer, W4A16Linear):
+            zero = None if zero is None else zero[start // 8:-(-end // 8)]
+            out[start:end] = w4a16_dequantize(layer.weight_packed[start:end], layer.weight_scale[start:end],
+                                              layer.in_features, zero, layer.group_size)
+        else:
+            out[start:end] = dequantize(layer.weight[start:end], layer.weight_scale[start:end],
+                                        None if zero is None else zero[start:end], layer.group_size)
+    return out
 
 
 class CpuTorchBackend:
@@ -87,7 +101,7 @@ class CpuTorchBackend:
             return layer.route(kernel)
         if fmt == "w8a8":  # no fbgemm in this torch build: the exact twin
             return layer
-        return self.dense_linear(dequantized(layer).to(self.dtype or torch.float32), layer.bias)
+        return self.dense_linear(dequantized(layer, self.dtype or torch.float32), layer.bias)
 
     @staticmethod
     def _torch_kernel(fmt: str, layer: QuantLinear):
@@ -147,8 +161,9 @@ class CpuNativeBackend(CpuTorchBackend):
         if native is None:
             return self._torch_route(fmt, layer)
         large = self._torch_kernel(fmt, layer) or prefill_kernel(layer)
-        if large is None:  # beyond the GEMV's rows: a dense copy, on oneDNN
-            layer.dense = DenseLinear(dequantized(layer).to(self.dtype or torch.float32), layer.bias).prepare(False)
+        if large is None:  # beyond the GEMV's rows: a dense copy, on oneDNN (which alone keeps it)
+            layer.dense = DenseLinear(dequantized(layer, self.dtype or torch.float32), layer.bias).prepare(
+                False, above_rows=native.max_rows)
             large = layer.dense.forward
         layer.native = native
         return layer.route(large, native, native.max_rows)

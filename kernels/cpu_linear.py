@@ -48,6 +48,8 @@ class DenseLinear(RoutedLinear):
     `prepare(native)` converts the weight once: a oneDNN-reordered copy for most calls, and either the native
     GEMV's tiled copy for decode-sized calls (`native=True`; the loaded weight is then released) or, in
     fp32, the transposed weight for single rows (MKL). Weights oneDNN cannot take stay on F.linear.
+    `prepare(native, above_rows=R)`: the layer only ever takes calls of more than R rows (a quantized layer's
+    dequantized copy beyond its GEMV's rows), so oneDNN's copy is all it keeps.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -56,28 +58,37 @@ class DenseLinear(RoutedLinear):
         self.register_buffer("bias", bias)
         self.packed = self.weight_t = self.native = None  # CPU layouts, set by prepare()
         self.released: tuple[str, ...] = ()  # buffers left on the meta device once their layouts exist
+        self.fewest_rows = 1  # the fewest rows a call brings (`prepare(above_rows=...)`)
         self.route(self._plain)
 
-    def prepare(self, native: bool) -> "DenseLinear":
+    def prepare(self, native: bool, above_rows: int = 0) -> "DenseLinear":
         """Make the CPU layouts and route to them (see the class docstring); returns self."""
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) \
                 or not torch.backends.mkldnn.is_available():
             return self
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH)
+        if above_rows > 0:  # neither a GEMV nor MKL's single row: nothing but oneDNN reads the weight
+            self.fewest_rows = above_rows + 1
+            return self._release().route(self._onednn)
         if native:
             tiled = cached_layout("native", lambda: cpu_native.DenseWeight(w))
             self.native = NativeLinear(tiled, self.bias, cpu_native.GEMV_MAX_ROWS[w.dtype])
             # Both CPU paths now hold their own copy: the loaded one goes (one model's worth of memory; a tied
-            # lm_head's stays alive as the embedding). Shape and dtype remain, on the meta device.
-            self.weight = w.to("meta")
-            self.released = ("weight",)
-            return self.route(self._onednn, self.native, self.native.max_rows)
+            # lm_head's stays alive as the embedding).
+            return self._release().route(self._onednn, self.native, self.native.max_rows)
         if w.dtype == torch.float32:
             self.weight_t = w.t().contiguous()  # [K, N]
             self.weight = self.weight_t.t()  # a view: an unshared fused copy is freed
             return self.route(self._onednn, self._mkl_row, 1)
         return self.route(self._onednn)
+
+    def _release(self) -> "DenseLinear":
+        """Free the loaded weight once the layouts the calls read exist; its shape and dtype remain, on the
+        meta device."""
+        self.weight = self.weight.to("meta")
+        self.released = ("weight",)
+        return self
 
     def _plain(self, x):
         return F.linear(x, self.weight, self.bias)
@@ -134,7 +145,7 @@ def prebuild_row_buckets(model: nn.Module, max_tokens: int, max_logit_rows: int)
 
     Primitives belong to shapes, not weights, so one layer of each distinct shape is run: the decoder
     projections up to `max_tokens` rows (a step's token budget; more is split into ROW_CHUNK calls),
-    the module named `lm_head` up to `max_logit_rows` (one row per sequence). Returns the number of calls.
+    the module named `lm_head` (or a dense copy inside it) up to `max_logit_rows` (one row per sequence). Returns the number of calls.
     SmolLM2-135M, fp32, budgets 2,048 / 256: 212 calls, about a second here.
     """
     seen, calls = set(), 0
@@ -146,8 +157,9 @@ def prebuild_row_buckets(model: nn.Module, max_tokens: int, max_logit_rows: int)
         if key in seen:
             continue
         seen.add(key)
-        limit = min(max_logit_rows if name == "lm_head" else max_tokens, ROW_CHUNK)
-        first = max(1, module.small_rows + 1)  # fewer rows take the GEMV or MKL, never oneDNN
+        # the lm_head, or a quantized lm_head's dense copy ("lm_head.dense"), takes one row per sequence
+        limit = min(max_logit_rows if name.split(".")[0] == "lm_head" else max_tokens, ROW_CHUNK)
+        first = max(module.fewest_rows, module.small_rows + 1)  # fewer rows take the GEMV or MKL, never oneDNN
         for rows in sorted({row_bucket(m) for m in range(first, limit + 1)}):
             module(torch.zeros(rows, w.shape[1], dtype=w.dtype))
             calls += 1

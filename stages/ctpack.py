@@ -56,19 +56,24 @@ def pack_to_int32(q: Tensor, num_bits: int, packed_dim: int = 1) -> Tensor:
     return (packed.t() if packed_dim == 0 else packed).contiguous()
 
 
+UNPACK_ROWS = 1024  # rows `unpack_from_int32` unpacks at once
+
+
 def unpack_from_int32(packed: Tensor, num_bits: int, shape, packed_dim: int = 1) -> Tensor:
     """Inverse of pack_to_int32: int8 codes of the original 2-D `shape`."""
     _check_bits(num_bits)
     if packed.dtype != torch.int32:
         raise ValueError(f"expected int32 words, got {packed.dtype}")
-    words = packed.t() if packed_dim == 0 else packed
-    words = words.to(torch.int64) & _MASK32  # unsigned view: [rows, n_words]
+    words = packed.t() if packed_dim == 0 else packed  # [rows, n_words]
     cols = int(shape[packed_dim])
     word, off = _bit_positions(cols, num_bits, words.device)
-    words = torch.nn.functional.pad(words, (0, 1))  # a spare word for straddling reads
-    u = (words[:, word] >> off) | (words[:, word + 1] << (32 - off))  # [rows, cols]
-    u = u & ((1 << num_bits) - 1)
-    q = (u - (1 << (num_bits - 1))).to(torch.int8)
+    q = torch.empty(words.shape[0], cols, dtype=torch.int8, device=words.device)
+    # UNPACK_ROWS rows at a time: the int64 intermediates of a whole embedding table took 25x its size
+    for start in range(0, words.shape[0], UNPACK_ROWS):
+        w = words[start:start + UNPACK_ROWS].to(torch.int64) & _MASK32  # unsigned view
+        w = torch.nn.functional.pad(w, (0, 1))  # a spare word for straddling reads
+        u = ((w[:, word] >> off) | (w[:, word + 1] << (32 - off))) & ((1 << num_bits) - 1)  # [rows, cols]
+        q[start:start + UNPACK_ROWS] = u - (1 << (num_bits - 1))
     return (q.t() if packed_dim == 0 else q).contiguous()
 
 

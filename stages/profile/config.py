@@ -7,6 +7,7 @@ from llmopt.kernels import BACKENDS
 
 from ..errors import ConfigError
 from ..options import FromOptions, Option, Options
+from ..serve.engine.config import EngineConfig
 
 DEVICES = ("cpu", "cuda")
 SYNTHETIC_SHAPES = {  # --synthetic: hidden, intermediate, heads, kv heads, head dim, vocab
@@ -67,6 +68,11 @@ class ProfileConfig(FromOptions):
     check_greedy: bool = False
     save_model: str | None = None
     acceptance: str | None = None  # a folder of the GPU check's reports: its PASS/FAIL table (acceptance.py)
+    memory: bool = False  # where a serving process's bytes go, per category (memory.py)
+    # --memory: the KV cache as `llmopt serve` sizes it from these (serve.build.kv_cache_plan)
+    max_model_len: int | None = EngineConfig.max_model_len
+    max_num_seqs: int = EngineConfig.max_num_seqs
+    kv_cache_memory: str | None = EngineConfig.kv_cache_memory
 
     @classmethod
     def from_values(cls, values: dict) -> "ProfileConfig":
@@ -133,7 +139,7 @@ class ProfileConfig(FromOptions):
         chosen = [f"--{name}" for name in MODES if getattr(self, name)]
         if len(chosen) > 1:
             raise ConfigError(f"{' and '.join(chosen)}: give one of them (each replaces the sweep)")
-        for name in ("soak", "soak_in_flight", "layers"):
+        for name in ("soak", "soak_in_flight", "layers", "max_model_len", "max_num_seqs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
         if not self.max_rss_growth_mib > 0:
@@ -166,7 +172,7 @@ class ProfileConfig(FromOptions):
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
 
-MODES = ("soak", "kernels", "synthetic", "acceptance")  # each replaces the sweep
+MODES = ("soak", "kernels", "synthetic", "acceptance", "memory")  # each replaces the sweep
 TASKS = ("kernel_speed", "check_greedy", "save_model")  # each replaces --synthetic's engine run
 
 
@@ -214,6 +220,9 @@ OPTIONS = Options(
     Option("quantize", str, DEFAULTS.quantize, optional=True, choices=QUANTIZE_SCHEMES),
     Option("kernel_speed", bool, DEFAULTS.kernel_speed), Option("check_greedy", bool, DEFAULTS.check_greedy),
     Option("save_model", str, DEFAULTS.save_model, optional=True),
-    Option("acceptance", str, DEFAULTS.acceptance, optional=True),
+    Option("acceptance", str, DEFAULTS.acceptance, optional=True), Option("memory", bool, DEFAULTS.memory),
+    Option("max_model_len", int, DEFAULTS.max_model_len, optional=True),
+    Option("max_num_seqs", int, DEFAULTS.max_num_seqs),
+    Option("kv_cache_memory", str, DEFAULTS.kv_cache_memory, optional=True),
 )
 ProfileConfig.OPTIONS = OPTIONS

@@ -1,7 +1,8 @@
 """What `llmopt profile` measures: the sweep (run.py), or one measurement that replaces it: the memory
 soak (soak.py), one decode step's matmuls per weight scheme (matmuls.py), the engine on a synthetic
 model (synthetic.py) or, on the same synthetic shapes, the kernel speed table (kernel_speed.py) and the
-greedy check (greedy.py); or the GPU check's PASS/FAIL table (acceptance.py). Each returns a JSON-able
+greedy check (greedy.py); the GPU check's PASS/FAIL table (acceptance.py); or where a serving process's
+memory goes (memory.py). Each returns a JSON-able
 report; `tables` renders any of them."""
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def check_sources(sources: list[str], config: ProfileConfig) -> None:
     if mode in ("synthetic", "acceptance") and sources:
         why = "builds its own model" if mode == "synthetic" else "reads reports"
         raise ConfigError(f"--{mode} {why}: give no SOURCE")
-    if mode in ("soak", "kernels") and len(sources) != 1:
+    if mode in ("soak", "kernels", "memory") and len(sources) != 1:
         raise ConfigError(f"--{mode} measures one model: give one SOURCE (got {len(sources)})")
     if mode == "sweep" and not sources:
         raise ConfigError("Missing argument 'SOURCES...': give a model source (or --synthetic SHAPE)")
@@ -48,6 +49,10 @@ def run_measurement(sources: list[str], config: ProfileConfig, hooks: StageHooks
             from .soak import run_soak
 
             return run_soak(sources[0], config, hooks)
+        if config.mode == "memory":
+            from .memory import run_memory
+
+            return run_memory(sources[0], config, hooks)
         if config.mode == "kernels":
             from .matmuls import run_matmuls
 
@@ -72,6 +77,10 @@ def tables(report: dict) -> list[TableData]:
         from .soak import soak_tables
 
         return soak_tables(report)
+    if tool.endswith("--memory"):
+        from .memory import memory_tables
+
+        return memory_tables(report)
     if tool.endswith("--kernels"):
         from .matmuls import matmul_tables
 

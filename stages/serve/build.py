@@ -5,6 +5,7 @@ A sharded artifact (`llmopt shard`) starts its tensor-parallel ranks (serve/tp) 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import dataclasses
 import logging
 import threading
@@ -16,7 +17,33 @@ from .startup import StartupReport, phase
 
 log = logging.getLogger("llmopt.serve")
 
-DEFAULT_KV_CACHE_MEMORY = {"cpu": "2GiB", "cuda": "0.8"}  # when neither num_blocks nor kv_cache_memory is given
+# when none of num_blocks, kv_cache_memory and max_model_len is given
+DEFAULT_KV_CACHE_MEMORY = {"cpu": "2GiB", "cuda": "0.8"}
+log = logging.getLogger("llmopt.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCachePlan:
+    """How big the KV cache is and which option decided it (`kv_cache_plan`)."""
+    num_blocks: int
+    block_size: int
+    block_bytes: int  # one block over all layers, keys and values
+    dtype: object  # torch.dtype of the cache
+    source: str  # what decided the size, as the start-up line says it
+
+    @property
+    def tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def describe(self) -> str:
+        """The start-up line: "KV cache: 32,768 tokens (2,048 x 16 seqs, from ...), 768 MiB bf16"."""
+        dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(str(self.dtype).removeprefix("torch."),
+                                                                              str(self.dtype))
+        return f"KV cache: {self.tokens:,} tokens ({self.source}), {self.bytes / 2**20:,.0f} MiB {dtype}"
 
 
 def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None, backend: str = "auto",
@@ -36,8 +63,9 @@ def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None
     if sharded is not None:
         return _build_tp_engine(sharded, config, device, dtype, backend, tp_options)
     runtime, tokenizer, model_config = load_runtime(ref, device, dtype, backend, startup)
+    release_free_heap()
     with phase(startup, "kv_cache"):
-        runner = ModelRunner(runtime, _num_blocks(config, runtime.spec, runtime), config.block_size,
+        runner = ModelRunner(runtime, kv_cache_plan(config, runtime.spec, runtime).num_blocks, config.block_size,
                              prebuild=not background_prebuild)
     with phase(startup, "engine"):
         if not config.enforce_eager and graphs_apply(runtime):
@@ -47,7 +75,7 @@ def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None
             from .speculative import load_draft
 
             proposer = load_draft(config, runtime, tokenizer, device, dtype, backend,
-                                  lambda draft: _num_blocks(config, draft.spec, draft))
+                                  lambda draft: kv_cache_plan(config, draft.spec, draft, announce=False).num_blocks)
         engine = LLMEngine(runner, tokenizer, config, eos_token_ids=eos_token_ids(model_config, tokenizer),
                            proposer=proposer)
     if background_prebuild:
@@ -76,18 +104,45 @@ def _prebuild_in_background(runner, config: EngineConfig) -> threading.Thread:
     return thread
 
 
-def _num_blocks(config: EngineConfig, spec, runtime) -> int:
+def kv_cache_plan(config: EngineConfig, spec, runtime, announce: bool = True) -> KVCachePlan:
+    """The cache's size, from the first of: --num-blocks; --kv-cache-memory (bytes or a fraction of free
+    memory); --max-model-len x --max-num-seqs (vLLM's sizing: every running sequence at its longest); the
+    device's default memory. Never more blocks than every running sequence at its longest can use.
+    announce: log the start-up line that says which rule it was (`KVCachePlan.describe`)."""
     import torch
 
-    from .runner import num_kv_blocks
+    from .runner import kv_bytes_per_block, num_kv_blocks
 
+    dtype, bs = runtime.dtype, config.block_size
+    seqs = config.seqs_per_step
+    length = config.max_model_len or runtime.spec.max_positions
+    longest = seqs * -(-length // bs)  # blocks of every running sequence at its longest
     if config.num_blocks is not None:
-        return config.num_blocks
-    memory = config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY.get(torch.device(runtime.device).type, "2GiB")
-    fits = num_kv_blocks(spec, memory, config.block_size, runtime.dtype, runtime.device)
-    # More than every running sequence at its longest can ever use is memory for nothing.
-    longest = -(-(config.max_model_len or runtime.spec.max_positions) // config.block_size)
-    return min(fits, config.seqs_per_step * longest)
+        blocks, source = config.num_blocks, "from --num-blocks"
+    elif config.kv_cache_memory is not None:
+        blocks, source = num_kv_blocks(spec, config.kv_cache_memory, bs, dtype, runtime.device), \
+            f"from --kv-cache-memory {config.kv_cache_memory}"
+    elif config.max_model_len is not None:
+        blocks, source = longest, f"{length:,} x {seqs} seqs, from --max-model-len x --max-num-seqs"
+    else:
+        memory = DEFAULT_KV_CACHE_MEMORY.get(torch.device(runtime.device).type, "2GiB")
+        blocks, source = num_kv_blocks(spec, memory, bs, dtype, runtime.device), \
+            f"the default {memory}; size it with --max-model-len or --kv-cache-memory"
+    if config.num_blocks is None and blocks > longest:  # memory for nothing
+        blocks, source = longest, f"{source}, capped at {length:,} x {seqs} seqs"
+    plan = KVCachePlan(blocks, bs, kv_bytes_per_block(spec, bs, dtype), dtype, source)
+    if announce:
+        log.info(plan.describe())
+    return plan
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere): loading
+    leaves the intermediates of unpacking and packing freed yet resident (45 MB for SmolLM2)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _build_tp_engine(art, config: EngineConfig, device, dtype, backend, tp_options) -> LLMEngine:
@@ -109,7 +164,7 @@ def _build_tp_engine(art, config: EngineConfig, device, dtype, backend, tp_optio
     try:
         runtime = load_rank_runtime(art, 0, None, device, dtype, backend)
         widest = dataclasses.replace(runtime.spec, num_kv_heads=max_local_kv_heads(plan))
-        runner = TPModelRunner(runtime, _num_blocks(config, widest, runtime), config.block_size, group)
+        runner = TPModelRunner(runtime, kv_cache_plan(config, widest, runtime).num_blocks, config.block_size, group)
     except BaseException:
         group.close()
         raise

@@ -6,8 +6,9 @@ key and value sit side by side, so the CPU backends write and gather both with o
 strides, the layout `llmopt.kernels.paged_attention` takes.
 Everything device-specific comes from the backend the runtime was loaded with (`runtime.backend`):
 each step's attention object, the fused decode step (built once, here) and the matmul prebuild.
-Its size comes from `--kv-cache-memory`: a byte count ("4GiB", "512MB", 1e9) or a fraction of the
-memory free once the weights are loaded ("0.5"; CPU: MemAvailable, CUDA: cudaMemGetInfo).
+Its size is chosen by `build.kv_cache_plan` (--kv-cache-memory, else --max-model-len x --max-num-seqs);
+`--kv-cache-memory` is a byte count ("4GiB", "512MB", 1e9) or a fraction of the memory free once the
+weights are loaded ("0.5"; CPU: MemAvailable, CUDA: cudaMemGetInfo).
 On CUDA the decode steps replay CUDA graphs once `capture_decode_graphs` has captured them (see
 `cuda_graphs.py`); every other step, and every step under `--enforce-eager`, runs eagerly.
 """

@@ -175,3 +175,48 @@ def test_native_quantized_routes_by_row_count(case):
         assert kernel_names(lambda: layer(x))[0] == (f"llmopt::gemv_w{fmt[1]}" if rows <= most else beyond), rows
         tol = 1e-5 if rows <= most else CPU_REL_ERR  # fp32 vs bf16 kernels
         assert _rel_err(layer(x), reference(x).double()) < tol
+
+
+def test_dense_fallback_keeps_only_onednn_copy():
+    # a layer that only takes calls beyond another kernel's rows: the oneDNN copy alone, the loaded weight freed
+    import gc
+    import weakref
+
+    from llmopt.kernels.cpu_linear import prebuild_row_buckets
+
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(48, 40, generator=g), torch.randn(12, 40, generator=g)
+    expected, gone = F.linear(x, weight), weakref.ref(weight)
+    layer = DenseLinear(weight, None).prepare(False, above_rows=8)
+    del weight
+    gc.collect()
+    assert gone() is None and layer.weight.device.type == "meta" and layer.released == ("weight",)
+    assert layer.weight_t is None and layer.native is None and layer.packed is not None
+    assert kernel_names(lambda: layer(x)) == ["mkldnn::_linear_pointwise"]
+    torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-4)
+
+    class Model(torch.nn.Module):  # prebuilt from the ninth row only, and a dense copy inside lm_head: its rows
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Module()
+            self.lm_head.dense = layer
+
+    assert prebuild_row_buckets(Model(), max_tokens=512, max_logit_rows=16) == 8  # rows 9..16
+
+
+@pytest.mark.parametrize("fmt", ["w4a16", "w8a16"])
+def test_dequantized_in_row_chunks_equals_the_whole(monkeypatch, fmt):
+    # asymmetric, 40 rows in chunks of 16: W4 zero points are packed 8 rows a word, the last chunk is ragged
+    from llmopt.kernels import W8A16Linear, cpu_backends
+    from llmopt.kernels.wq_matmul import dequantize
+
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
+    if fmt == "w4a16":
+        layer = W4A16Linear.from_compressed(quantize_int4(w, 32, False), 32)
+        whole = w4a16_dequantize(layer.weight_packed, layer.weight_scale, 64, layer.weight_zero_point, 32)
+    else:
+        layer = W8A16Linear.from_compressed(quantize_int8(w, symmetric=False))
+        whole = dequantize(layer.weight, layer.weight_scale, layer.weight_zero_point, layer.group_size)
+    monkeypatch.setattr(cpu_backends, "DEQUANT_ROWS", 16)
+    assert torch.equal(cpu_backends.dequantized(layer), whole)
+    assert torch.equal(cpu_backends.dequantized(layer, torch.bfloat16), whole.to(torch.bfloat16))

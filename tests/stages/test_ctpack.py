@@ -57,3 +57,15 @@ def test_out_of_range_codes_are_refused():
         pack_int4(torch.tensor([[8]], dtype=torch.int8))
     with pytest.raises(ValueError):
         pack_to_int32(torch.zeros(2, 2, dtype=torch.int32), 4)
+
+
+@pytest.mark.parametrize("bits,packed_dim", [(8, 1), (4, 1), (4, 0), (3, 1)])
+def test_unpack_in_row_chunks_equals_one_pass(monkeypatch, bits, packed_dim):
+    # rows unpacked a few at a time (a ragged last chunk) give the codes that were packed
+    from llmopt.stages import ctpack
+
+    lo = -(1 << (bits - 1))
+    q = torch.randint(lo, -lo, (37, 29), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    packed = ctpack.pack_to_int32(q, bits, packed_dim)
+    monkeypatch.setattr(ctpack, "UNPACK_ROWS", 8)
+    assert torch.equal(ctpack.unpack_from_int32(packed, bits, q.shape, packed_dim), q)
