@@ -41,25 +41,35 @@ int llmopt_gemv_vnni(void) { return 1; }
  * written 4 times, once per tile row, so that vpdpbusd reads them straight from memory), and per block
  * (in the order the kernels walk them) its scale sx and sum(xi): xs[2 * b] = sx, xs[2 * b + 1] = sum. */
 static void quantize_row(const float *x, int64_t gsize, int64_t groups, int8_t *d, float *xs) {
+    const __m512 lim = _mm512_set1_ps(XMAX);
+    const __m512i half = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(255);
     int64_t b = 0;
     for (int64_t g = 0; g < groups; g++)
-        for (int64_t b0 = g * gsize; b0 < (g + 1) * gsize; b0 += BLOCK, b++) {
-            int64_t total = 0, b1 = b0 + BLOCK < (g + 1) * gsize ? b0 + BLOCK : (g + 1) * gsize;
-            float top = 0.0f;
-            for (int64_t j = b0; j < b1; j++) top = fmaxf(top, fabsf(x[j]));
-            float sx = top > 0.0f ? top / XMAX : 1.0f, inv = 1.0f / sx;
-            for (int64_t j = b0; j < b1; j++) {
-                int32_t xi = (int32_t)lrintf(fminf(fmaxf(x[j] * inv, -XMAX), XMAX));
-                int32_t d0 = ((xi + 128) & 255) - 128, r = (xi - d0) / 256;
-                int32_t d1 = ((r + 128) & 255) - 128, d2 = (r - d1) / 256;
-                int8_t *at = d + (j / 16) * DIGITS + j % 16;
-                for (int q = 0; q < 64; q += 16) {
-                    at[q] = (int8_t)d0; at[64 + q] = (int8_t)d1; at[128 + q] = (int8_t)d2;
-                }
-                total += xi;
+        for (int64_t b0 = g * gsize; b0 < (g + 1) * gsize; b0 += BLOCK, b++) { /* whole chunks of 16 */
+            int64_t b1 = b0 + BLOCK < (g + 1) * gsize ? b0 + BLOCK : (g + 1) * gsize;
+            __m512 top = _mm512_setzero_ps();
+            for (int64_t j = b0; j < b1; j += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(x + j)));
+            float most = _mm512_reduce_max_ps(top), sx = most > 0.0f ? most / XMAX : 1.0f;
+            __m512 inv = _mm512_set1_ps(1.0f / sx);
+            __m512i total = _mm512_setzero_si512(); /* per lane at most 16 entries of |xi| <= XMAX: no overflow */
+            for (int64_t j = b0; j < b1; j += 16) {
+                __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(x + j), inv),
+                                                       _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+                __m512i xi = _mm512_cvtps_epi32(v); /* round to nearest even */
+                __m512i d0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(xi, half), byte), half);
+                __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(xi, d0), 8);
+                __m512i d1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r, half), byte), half);
+                __m512i d2 = _mm512_srai_epi32(_mm512_sub_epi32(r, d1), 8);
+                int8_t *at = d + (j / 16) * DIGITS;
+                _mm512_store_si512((void *)at, _mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(d0)));
+                _mm512_store_si512((void *)(at + 64), _mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(d1)));
+                _mm512_store_si512((void *)(at + 128), _mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(d2)));
+                total = _mm512_add_epi32(total, xi);
             }
+            int64_t sum = _mm512_reduce_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(total))) +
+                          _mm512_reduce_add_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(total, 1)));
             xs[2 * b] = sx;
-            xs[2 * b + 1] = (float)total;
+            xs[2 * b + 1] = (float)sum;
         }
 }
 
