@@ -61,7 +61,8 @@ Native CPU kernels (`cpu_native`: C in `csrc/`, built with gcc at first use; `av
     cpu_native.gemv(x, DenseWeight(w), bias) / gemv_w4(x, Int4Weight(q, scales, zeros, group), bias)
         / gemv_w8(x, Int8Weight(q, scales, zeros, group), bias)
         decode-sized matmuls (AVX-512) on weights tiled once at load time, streamed once per call;
-        batch-invariant; fp32 arithmetic (W4A16 and W8A16 too)
+        batch-invariant; fp32 arithmetic (W4A16 and W8A16 too: with AVX512-VNNI, csrc/gemv_vnni.c, integer
+        dot products on x held as a 24-bit fixed point per block of inputs)
     cpu_native.add_rms_norm / silu_mul / rope_: a layer's small ops, one call each
     cpu_native.DecodeLayers(...).run(...): every decoder layer of a decode step in one call (`fused_decode`)
     cpu_prefill.prefill_matmul(x, pack_w4a16_prefill(...) / pack_w8a16_prefill(...))

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = [_CSRC / name for name in ("paged_decode.c", "gemv.c", "ops.c", "layer.c", "dequant.c", "amx_wq.c")]
+SOURCES = [_CSRC / name for name in ("paged_decode.c", "gemv.c", "gemv_vnni.c", "ops.c", "layer.c", "dequant.c",
+                                     "amx_wq.c")]
 HEADERS = [_CSRC / "llmopt.h"]
 # Compiled with -ffast-math (vectorised reductions and expf), linked without it: linked with it, gcc adds
 # crtfastmath.o, which switches the whole process to flush-denormals-to-zero when the library loads.
@@ -126,6 +127,8 @@ def _library() -> ctypes.CDLL | None:
     i32 = ctypes.c_int
     lib.llmopt_gemv_fast.restype = i32
     lib.llmopt_gemv_fast.argtypes = []
+    lib.llmopt_gemv_vnni.restype = i32
+    lib.llmopt_gemv_vnni.argtypes = []
     lib.llmopt_gemv_dense.restype = i32
     lib.llmopt_gemv_dense.argtypes = [ptr, i64, ptr, i32, ptr, ptr, i64, i32, i64, i64, i64]
     lib.llmopt_gemv_w4.restype = i32

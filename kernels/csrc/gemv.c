@@ -26,9 +26,6 @@
 #include <string.h>
 
 #include "llmopt.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -61,22 +58,6 @@ static inline void store_y(void *y, int64_t ys, int elem, int64_t i, int64_t n, 
     if (bias) v += bias[n];
     if (elem == 0) ((float *)y)[i * ys + n] = v;
     else ((uint16_t *)y)[i * ys + n] = llmopt_f32_to_bf16(v);
-}
-
-/* The tiles [*t0, *t1) of this thread: equal parts of the `tiles` tiles. */
-static inline void slab(int64_t tiles, int threads, int tid, int64_t *t0, int64_t *t1) {
-    int64_t per = tiles / threads, extra = tiles % threads;
-    *t0 = tid * per + (tid < extra ? tid : extra);
-    *t1 = *t0 + per + (tid < extra ? 1 : 0);
-}
-
-static inline void thread_slab(int64_t tiles, int64_t *t0, int64_t *t1) {
-    int threads = 1, tid = 0;
-#ifdef _OPENMP
-    threads = omp_get_num_threads();
-    tid = omp_get_thread_num();
-#endif
-    slab(tiles, threads, tid, t0, t1);
 }
 
 #define TILE_ROWS 4
@@ -128,7 +109,7 @@ int llmopt_gemv_dense(const void *x, int64_t xs, const void *tiles, int welem, c
 #pragma omp parallel
     {
         int64_t t0, t1;
-        thread_slab(ntiles, &t0, &t1);
+        llmopt_thread_slab(ntiles, &t0, &t1);
         for (int64_t t = t0; t < t1; t++) {
             const void *tile = (const char *)tiles + (size_t)t * tile_bytes;
             for (int64_t i = 0; i < m; i++) {
@@ -258,7 +239,7 @@ static int quant_gemv(tile_rows_fn rows, size_t tile_bytes, const void *x, int64
 #pragma omp parallel
     {
         int64_t t0, t1;
-        thread_slab(ntiles, &t0, &t1);
+        llmopt_thread_slab(ntiles, &t0, &t1);
         float *out = llmopt_alloc(sizeof(float) * (size_t)(m * TILE_ROWS));
         if (!out) {
 #pragma omp atomic write
@@ -282,6 +263,8 @@ static int quant_gemv(tile_rows_fn rows, size_t tile_bytes, const void *x, int64
 int llmopt_gemv_w4(const void *x, int64_t xs, const uint8_t *packed, const float *scales, const uint8_t *zeros,
                    int64_t group, const float *bias, void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t k) {
     if (group % 32 || k % group) return 1;
+    int rc = llmopt_gemv_quant_vnni(4, x, xs, packed, scales, zeros, k / group, group, bias, y, ys, elem, m, n, k, k);
+    if (rc != 3) return rc; /* 3: no VNNI in this build */
     return quant_gemv(w4_tile_rows, (size_t)(TILE_ROWS * k / 2), x, xs, packed, scales, zeros, k / group, group, bias, y,
                       ys, elem, m, n, k, k);
 }
@@ -331,6 +314,9 @@ int llmopt_gemv_w8(const void *x, int64_t xs, const int8_t *tiles, const float *
                    int64_t group, const float *bias, void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t k) {
     int64_t kp = (k + 15) / 16 * 16, groups = group >= k ? 1 : k / group;
     if (groups > 1 && (group % 16 || k % group)) return 1;
+    int rc = llmopt_gemv_quant_vnni(8, x, xs, tiles, scales, zeros, groups, kp / groups, bias, y, ys, elem, m, n, k,
+                                    kp);
+    if (rc != 3) return rc; /* 3: no VNNI in this build */
     return quant_gemv(w8_tile_rows, (size_t)(TILE_ROWS * kp), x, xs, tiles, scales, zeros, groups, kp / 16 / groups,
                       bias, y, ys, elem, m, n, k, kp);
 }

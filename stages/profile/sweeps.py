@@ -38,14 +38,27 @@ def decode_point(runner: ModelRunner, batch: int, context: int, steps: int, weig
 
 
 def roofline(point: dict, copy: dict) -> dict:
-    """The batch-1 decode roofline with every term of its arithmetic spelled out."""
+    """The batch-1 decode roofline with every term of its arithmetic spelled out.
+
+    Two shares of the machine's copy bandwidth (`machine.copy.bytes_per_s`, STREAM: bytes read + written
+    per second): `bandwidth_share` counts the weights only; `read_share` counts every byte a token's
+    step reads (the weights and this context's KV cache rows), per token: the figure the decode work
+    aims to raise.
+    """
     seconds = point["ms"] / 1e3
     achieved = point["weight_bytes"] / seconds
+    per_token = (point["weight_bytes"] + point["kv_bytes_read"]) / point["batch"]
+    ms_per_token = point["ms"] / point["batch"]
     return {"batch": point["batch"], "context": point["context"], "weight_bytes": point["weight_bytes"],
             "step_ms": point["ms"], "achieved_bytes_per_s": achieved, "copy_bytes_per_s": copy["bytes_per_s"],
             "bandwidth_share": achieved / copy["bytes_per_s"],
             "formula": "bandwidth_share = (weight_bytes / (step_ms / 1000)) / copy_bytes_per_s",
             "ideal_step_ms": point["weight_bytes"] / copy["bytes_per_s"] * 1e3,
+            "kv_bytes_read": point["kv_bytes_read"], "bytes_read_per_token": per_token,
+            "ms_per_token": ms_per_token, "read_bytes_per_s": per_token / ms_per_token * 1e3,
+            "read_share": per_token / ms_per_token * 1e3 / copy["bytes_per_s"],
+            "read_formula": "read_share = ((weight_bytes + kv_bytes_read) / batch / (ms_per_token / 1000)) "
+                            "/ copy_bytes_per_s",
             "note": "copy bandwidth counts bytes read + written (STREAM); decode reads the weights once per step"}
 
 

@@ -88,7 +88,13 @@ def roofline_table(s: dict) -> TableData:
               ["bandwidth share", f"{r['achieved_bytes_per_s'] / 1e9:.3f} / {r['copy_bytes_per_s'] / 1e9:.3f} = "
                                   f"{r['bandwidth_share']:.1%}"],
               ["step time at copy bandwidth", f"{r['ideal_step_ms']:.2f} ms"]]
-    t.note = r["formula"]
+    if "read_share" in r:  # reports written before it lack the per-token figures
+        t.rows += [["bytes read per token (weights + KV)",
+                    f"{human_bytes(r['bytes_read_per_token'])} ({human_bytes(r['kv_bytes_read'])} of KV)"],
+                   ["ms per token", f"{r['ms_per_token']:.3f} ms"],
+                   ["read share of copy bandwidth", f"{r['read_bytes_per_s'] / 1e9:.3f} / "
+                                                    f"{r['copy_bytes_per_s'] / 1e9:.3f} = {r['read_share']:.1%}"]]
+    t.note = r["formula"] + ("; " + r["read_formula"] if "read_formula" in r else "")
     return t
 
 

@@ -151,3 +151,25 @@ def test_silu_mul_and_rope_match_torch(dtype):
     torch.testing.assert_close(x, ref, **tol)
     assert torch.equal(wide[:, heads * d:], rest)  # what follows q||k in the row is untouched
 
+
+
+def test_quantized_gemvs_hold_fp32_accuracy_with_outliers_zero_rows_and_many_rows():
+    """The VNNI paths hold x as a 24-bit fixed point per block of inputs: an outlier 50 times the rest
+    leaves its block's small entries ~18 bits, within fp32's rounding of the sum; an all-zero row gives
+    zeros; rows beyond the driver's chunk of 16 match their single-row results."""
+    weight4, dense4 = _w4_case(44, 256, 64, False, seed=11)
+    g = torch.Generator().manual_seed(12)
+    q8 = torch.randint(-128, 128, (44, 256), generator=g).to(torch.int8)
+    s8 = torch.rand(44, 4, generator=g) * 0.01 + 0.001
+    weight8, dense8 = cpu_native.Int8Weight(q8, s8, None, 64), q8.double() * s8.double().repeat_interleave(64, 1)
+    x = _rand(18, 256, seed=13)
+    x[1, 7] = 50.0  # an outlier row
+    x[2] = 0.0
+    for gemv, weight, dense in ((cpu_native.gemv_w4, weight4, dense4), (cpu_native.gemv_w8, weight8, dense8)):
+        y = gemv(x, weight)
+        ref = x.double() @ dense.T
+        scale = x.double().abs() @ dense.abs().T  # the size of the terms: fp32 rounding is relative to it
+        assert ((y.double() - ref).abs() <= 2e-6 * scale).all(), gemv.__name__
+        assert torch.equal(y[2], torch.zeros(44))
+        for i in (0, 1, 16, 17):
+            assert torch.equal(gemv(x[i:i + 1], weight)[0], y[i])

@@ -34,6 +34,11 @@ def test_bandwidth_share_is_weight_bytes_over_step_time_over_copy_bandwidth(repo
         assert r["copy_bytes_per_s"] == copy["bytes_per_s"]
         row = next(c for c in report["comparison"] if c["source"] == s["source"])
         assert row["bandwidth_share"] == r["bandwidth_share"] and row["decode_tokens_per_s_b1"] == b1["tokens_per_s"]
+        # per token at batch 1: the weights and the KV rows of this context, over the token's time
+        assert r["kv_bytes_read"] == b1["context"] * s["memory"]["kv_bytes_per_token"] > 0
+        assert r["bytes_read_per_token"] == r["weight_bytes"] + r["kv_bytes_read"] and r["ms_per_token"] == b1["ms"]
+        by_hand = (r["bytes_read_per_token"] / (r["ms_per_token"] / 1000)) / copy["bytes_per_s"]
+        assert r["read_share"] == pytest.approx(by_hand, rel=1e-12) and r["read_share"] > r["bandwidth_share"]
 
 
 def test_per_layer_breakdown_covers_every_layer_and_reports_its_ratio(report):
