@@ -206,9 +206,11 @@ _ELEM = {torch.float32: 0, torch.bfloat16: 1}
 # Up to this many rows the native GEMVs beat oneDNN (dense) and torch's int4 kernel (W4) on SmolLM2's
 # shapes, 30 layers + lm_head streamed from memory, 2 threads (fp32: 21 vs 28 ms at 1 row, 26 vs 28 at 4;
 # bf16: 11 vs 16 at 1, 11-13 vs 17 at 2, 16 vs 14 at 4; int4 layers: 3.8-5.1 vs 5.0-5.5 at 1, mostly
-# 4.6-6.0 vs 5.8-6.3 at 2, level at 3-4; noisy machine).
+# 4.6-6.0 vs 5.8-6.3 at 2, level at 3-4; noisy machine). Int4 since the VNNI GEMV (gemv_vnni.c): the native
+# GEMV beat torch's int4 kernel up to 8 rows (1.70 vs 1.84 ms at 8, before VNNI made it faster still), and
+# speculative verify steps of K <= 7 drafts then stay on the fused decode step.
 GEMV_MAX_ROWS = {torch.float32: 4, torch.bfloat16: 2}
-W4_MAX_ROWS = 2
+W4_MAX_ROWS = 8
 # int8 (30 layers): native 4.0-4.8 ms at 1 row, 15.1-16.4 at 8, against 8.6-22.9 for torch's int8 kernel
 # (channel-wise) and 17.2-21.9 for the fp32 dense fallback (group-wise, which torch has no kernel for).
 W8_MAX_ROWS = 8
