@@ -4,6 +4,8 @@ On CPU the graphs are `EagerCapture`'s stand-ins: a replay reruns the recorded f
 buffers, so everything but the CUDA graph itself (buckets, padding rows, buffer copies, what stays eager)
 is checked here. The test at the end captures real CUDA graphs where a GPU is present.
 """
+import types
+
 import pytest
 import torch
 
@@ -232,7 +234,11 @@ def test_serve_enforce_eager_reaches_build_engine(model_dir, monkeypatch, argv, 
     from llmopt.cli.main import main
 
     seen = {}
-    monkeypatch.setattr(build, "build_engine", lambda source, config, *args, **kw: seen.setdefault("config", config))
+    def fake_build(source, config, *args, **kw):  # records the engine config; the command then sets the engine's governor
+        seen["config"] = config
+        return types.SimpleNamespace(thread_governor=None)
+
+    monkeypatch.setattr(build, "build_engine", fake_build)
     monkeypatch.setattr(server, "serve", lambda config, loader, **kw: loader())
     assert main(["serve", str(model_dir), *argv]) == 0
     assert seen["config"].enforce_eager is enforce_eager
