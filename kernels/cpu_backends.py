@@ -160,7 +160,13 @@ class CpuNativeBackend(CpuTorchBackend):
         native = native_linear(layer)
         if native is None:
             return self._torch_route(fmt, layer)
-        large = self._torch_kernel(fmt, layer) or prefill_kernel(layer)
+        # Beyond the GEMV's rows. W4 on AMX: the AMX prefill kernel for every row count, so torch's int4 layout
+        # (a third copy of the weight, beside the compressed tensors and the GEMV's tiles) is never made; it is
+        # level with torch's kernel at 8-16 rows and ahead from there (without AMX the prefill path dequantizes
+        # the whole weight per call, too slow for a few rows). W8: torch's kernel reads the int8 weight itself
+        # (no copy) and is the quicker below PREFILL_MIN_ROWS_W8.
+        first = prefill_kernel(layer, amx_only=True) if isinstance(layer, W4A16Linear) else None
+        large = first or self._torch_kernel(fmt, layer) or prefill_kernel(layer)
         if large is None:  # beyond the GEMV's rows: a dense copy, on oneDNN (which alone keeps it)
             layer.dense = DenseLinear(dequantized(layer, self.dtype or torch.float32), layer.bias).prepare(
                 False, above_rows=native.max_rows)
@@ -215,10 +221,10 @@ def native_linear(layer: QuantLinear) -> NativeLinear | None:
     return None
 
 
-def prefill_kernel(layer: QuantLinear):
-    """Where torch has no kernel for a weight-only layout: its weight dequantized per call into a bf16 scratch,
-    then a bf16 GEMM (`cpu_prefill.prefill_matmul`), instead of a dense copy kept for good; None where
-    the dequantizer does not take the layout either."""
+def prefill_kernel(layer: QuantLinear, amx_only: bool = False):
+    """The native prefill GEMM of a weight-only layer (`cpu_prefill.prefill_matmul`: AMX tiles, or the weight
+    dequantized per call into a bf16 scratch then a bf16 GEMM), instead of a dense copy kept for good; None
+    where it does not take the layout (amx_only: or would not run on AMX)."""
     if isinstance(layer, W4A16Linear):
         weight = cpu_prefill.pack_w4a16_prefill(layer.weight_packed, layer.weight_scale, layer.in_features,
                                               layer.weight_zero_point, layer.group_size)
@@ -227,4 +233,6 @@ def prefill_kernel(layer: QuantLinear):
                                               layer.group_size)
     else:
         return None
-    return None if weight is None else lambda x: layer.add_bias(cpu_prefill.prefill_matmul(x, weight))
+    if weight is None or (amx_only and weight.amx is None):
+        return None
+    return lambda x: layer.add_bias(cpu_prefill.prefill_matmul(x, weight))

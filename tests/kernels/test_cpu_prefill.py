@@ -119,8 +119,10 @@ def test_bad_output_buffers_are_refused_with_a_message():
 
 
 ROUTE_CASES = {  # format, tensors, group, [(rows, first kernel)] on cpu-native
+    # on AMX, W4 goes from the GEMV straight to the AMX kernel (torch's int4 layout is not made)
     "w4-int4pack": ("w4a16", lambda: quantize_int4(torch.randn(64, 128), 32, False), 32,
-                    "aten::_weight_int4pack_mm_for_cpu", cpu_quant.PREFILL_MIN_ROWS_W4),
+                    "aten::_weight_int4pack_mm_for_cpu", None if cpu_prefill.amx_available()
+                    else cpu_quant.PREFILL_MIN_ROWS_W4),
     "w4-n36-no-int4pack": ("w4a16", lambda: quantize_int4(torch.randn(36, 128), 32, True), 32, None, None),
     "w8-int8pack": ("w8a16", lambda: quantize_int8(torch.randn(64, 128)), None, "aten::_weight_int8pack_mm",
                     cpu_quant.PREFILL_MIN_ROWS_W8),
@@ -131,8 +133,8 @@ ROUTE_CASES = {  # format, tensors, group, [(rows, first kernel)] on cpu-native
 @pytest.mark.skipif(not cpu_native.gemv_available(), reason="native GEMV needs a C compiler and AVX-512")
 @pytest.mark.parametrize("case", ROUTE_CASES)
 def test_native_backend_routes_prefill_rows_to_the_prefill_kernels(case):
-    # the GEMV up to its rows; then torch's packed kernel where one takes the layout, up to the prefill
-    # kernels' rows; then the prefill kernel: AMX for W4 with N % 32 == 0, else dequantize + oneDNN. No dense copy.
+    # the GEMV up to its rows; then torch's packed kernel where one takes the layout (W4: unless on AMX), up to
+    # the prefill kernels' rows; then the prefill kernel: AMX for W4 with N % 32 == 0, else dequantize + oneDNN. No dense copy.
     fmt, make, group, packed_kernel, first_prefill_row = ROUTE_CASES[case]
     t = make()
     layer = select_backend("cpu-native").quantized_linear(fmt, t, group)

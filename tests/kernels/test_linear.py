@@ -148,8 +148,9 @@ def _group_wise_int8(n, k, group):
 
 
 NATIVE_CASES = {  # (format, tensors, group size, the kernel just beyond the GEMV's rows)
+    # on AMX the prefill kernel takes W4 beyond the GEMV (no torch int4 layout made); elsewhere torch's int4 kernel
     "w4-int4pack": ("w4a16", lambda: quantize_int4(torch.randn(64, 128), 32, False), 32,
-                    "aten::_weight_int4pack_mm_for_cpu"),
+                    "llmopt::amx_w4_matmul" if cpu_prefill.amx_available() else "aten::_weight_int4pack_mm_for_cpu"),
     "w4-n36-prefill": ("w4a16", lambda: quantize_int4(torch.randn(36, 128), 32, True), 32,  # N % 16: no int4 kernel
                        "llmopt::dequantize_w4"),
     "w8-int8pack": ("w8a16", lambda: quantize_int8(torch.randn(64, 128)), None, "aten::_weight_int8pack_mm"),
@@ -161,7 +162,8 @@ NATIVE_CASES = {  # (format, tensors, group size, the kernel just beyond the GEM
 @needs_gemv
 @pytest.mark.parametrize("case", NATIVE_CASES)
 def test_native_quantized_routes_by_row_count(case):
-    # the GEMV up to its rows; beyond, torch's kernel where one takes the layout, else the prefill kernels
+    # the GEMV up to its rows; beyond, W4 on AMX the AMX prefill kernel, else torch's kernel where one takes the
+    # layout, else the prefill kernels
     # (tests/kernels/test_cpu_prefill.py follows every row count); never a dense copy
     fmt, make, group, beyond = NATIVE_CASES[case]
     t = make()

@@ -19,7 +19,7 @@ def test_dense_weight_bytes_are_the_models_parameters_read_once(tiny_sources):
 def test_w4_layers_stream_about_five_bits_per_weight(tiny_sources):
     dense, _, _ = load_runtime(tiny_sources[0])
     w4, _, _ = load_runtime(tiny_sources[1])
-    assert type(w4.layers[0].qkv).__name__ == "W4A16Linear" and w4.layers[0].qkv.cpu_weight is not None
+    assert type(w4.layers[0].qkv).__name__ == "W4A16Linear"
     ratio = weight_bytes(w4)["decoder_layers"] / weight_bytes(dense)["decoder_layers"]
     # int4 codes are 1/8 of fp32; bf16 scale and zero per 32 weights add 1/32
     assert 1 / 8 < ratio < 1 / 8 + 1 / 16

@@ -134,7 +134,10 @@ def test_quantized_linears_are_fused_with_recorded_group_sizes(artifacts, backen
     # hidden 64, intermediate 128: auto picks 64 for the hidden-input Linears and 128 for down_proj
     assert isinstance(layer.qkv, W4A16Linear) and layer.qkv.out_features == 64 + 2 * 32
     assert (layer.qkv.group_size, layer.gate_up.group_size, layer.down.group_size) == (64, 64, 128)
-    assert layer.qkv.cpu_weight is not None and layer.gate_up.out_features == 256
+    assert layer.gate_up.out_features == 256
+    # beyond the GEMV's rows: on AMX the native prefill kernel (no torch int4 layout made), else torch's
+    amx = backend == "cpu-native" and cpu_prefill.amx_available()
+    assert (layer.qkv.cpu_weight is None) == amx
     assert (layer.qkv.native is not None) == (backend == "cpu-native")
     assert isinstance(load_runtime(str(artifacts("w8-channel")), backend=backend)[0].layers[1].gate_up, W8A16Linear)
     # no torch CPU kernel for group-wise int8: on cpu-native the GEMV, then the prefill kernel (dequantized per

@@ -6,7 +6,8 @@ from llmopt.stages.errors import ConfigError
 from llmopt.stages.serve import runner as runner_mod
 from llmopt.stages.serve.loader import load_runtime
 from llmopt.stages.serve.model import spec_from_config
-from llmopt.stages.serve.runner import ModelRunner, kv_bytes_per_block, num_kv_blocks, parse_kv_cache_memory
+from llmopt.stages.serve.runner import (ModelRunner, kv_bytes_per_block, num_kv_blocks, parse_kv_cache_memory,
+                                        resident_zeros)
 from tests.stages.serve.runner_steps import Sequences, hf_last_logits
 
 CONFIG = dict(model_type="llama", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -59,6 +60,33 @@ def test_cache_is_allocated_once_with_the_kernel_layout(tiny_hf):
         torch.testing.assert_close(out[0], hf_last_logits(tiny_hf[1], seqs.tokens[a][:seqs.cached[a]]),
                                    atol=1e-4, rtol=1e-4)
     assert runner.kv_cache.data_ptr() == ptr
+
+
+def _resident_kib(address: int) -> int:
+    """Rss of the mapping holding `address`, from /proc/self/smaps (VmRSS is a per-CPU estimate here)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= address < hi
+            elif inside and head[0] == "Rss:":
+                return int(head[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_resident_zeros_is_zeroed_writable_and_resident():
+    cache = resident_zeros((4, 64, 16, 2, 8, 64), torch.bfloat16, "cpu")  # 8 MiB
+    resident = _resident_kib(cache.data_ptr())
+    assert cache.shape == (4, 64, 16, 2, 8, 64) and cache.dtype == torch.bfloat16 and cache.is_contiguous()
+    assert resident >= 8 * 1024, f"only {resident} KiB of 8 MiB resident after the allocation"
+    assert not cache.any()
+    layer = cache[3]
+    del cache  # a view keeps the mapping alive
+    layer.fill_(2.0)
+    assert layer.sum().item() == 2.0 * layer.numel()
+    assert resident_zeros((0, 4), torch.float32, "cpu").shape == (0, 4)
 
 
 def test_bad_cache_geometry_is_a_config_error(tiny_hf):
