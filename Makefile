@@ -99,7 +99,7 @@ bench: $(STAMP) $(foreach n,$(BENCH_NAMES),$(ART)/$(n)/llmopt.json)
 # llmopt serve against llama.cpp's llama-server, the table of README's results (scripts/bench_llamacpp.py):
 # interleaved rounds of concurrency 1 and 16, a 512-token prompt, concurrency 1 beside a busy core, start-up
 # time and peak memory; W4A16 (RTN, g64) and W4A16 + int8 embeddings, with llama-server's KV capacity.
-LLAMACPP_SERVE = --max-model-len 2048 --max-num-seqs 16
+LLAMACPP_SERVE = --dtype bf16 --max-model-len 2048 --max-num-seqs 16
 bench-llamacpp: $(STAMP) $(ART)/w4a16/llmopt.json $(ART)/w4a16e8/llmopt.json
 	$(PY) scripts/bench_llamacpp.py $(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER)) --gguf $(LLAMA_GGUF) \
 	    --llama-args "$(LLAMA_ARGS)" --run "llmopt-w4a16=$(ART)/w4a16:$(LLAMACPP_SERVE)" \

@@ -53,7 +53,8 @@ def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None
 
     startup: times the phases (see startup.py). background_prebuild: build the matmul primitives
     (`ModelRunner.prebuild_matmuls`) in a thread of their own, started as the engine is returned, instead of
-    before (the server is ready a second or more sooner; the primitives are all built moments later)."""
+    before (the server is ready a second or more sooner; the primitives are all built moments later), and
+    make the KV cache's pages resident from another (`runner.resident_zeros`)."""
     from .cuda_graphs import graph_batch_sizes, graphs_apply
     from .loader import load_runtime, sharded_artifact
     from .runner import ModelRunner
@@ -66,7 +67,7 @@ def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None
     release_free_heap()
     with phase(startup, "kv_cache"):
         runner = ModelRunner(runtime, kv_cache_plan(config, runtime.spec, runtime).num_blocks, config.block_size,
-                             prebuild=not background_prebuild)
+                             prebuild=not background_prebuild, populate_in_background=background_prebuild)
     with phase(startup, "engine"):
         if not config.enforce_eager and graphs_apply(runtime):
             runner.try_capture_decode_graphs(graph_batch_sizes(config.seqs_per_step))

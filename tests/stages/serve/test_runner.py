@@ -89,6 +89,18 @@ def test_resident_zeros_is_zeroed_writable_and_resident():
     assert resident_zeros((0, 4), torch.float32, "cpu").shape == (0, 4)
 
 
+def test_resident_zeros_in_the_background_is_usable_at_once_and_keeps_what_was_written():
+    import threading
+
+    cache = resident_zeros((8, 64, 16, 2, 8, 64), torch.bfloat16, "cpu", background=True)  # 16 MiB
+    cache[0, 0].fill_(3.0)  # written while the pages are being populated: populating must not undo it
+    for thread in threading.enumerate():
+        if thread.name == "kv-populate":
+            thread.join()
+    assert _resident_kib(cache.data_ptr()) >= 16 * 1024
+    assert cache[0, 0].eq(3.0).all() and not cache[1:].any() and not cache[0, 1:].any()
+
+
 def test_bad_cache_geometry_is_a_config_error(tiny_hf):
     runtime, _, _ = load_runtime(str(tiny_hf[0]))
     with pytest.raises(ConfigError):
