@@ -165,7 +165,8 @@ class CpuNativeBackend(CpuTorchBackend):
         # level with torch's kernel at 8-16 rows and ahead from there (without AMX the prefill path dequantizes
         # the whole weight per call, too slow for a few rows). W8: torch's kernel reads the int8 weight itself
         # (no copy) and is the quicker below PREFILL_MIN_ROWS_W8.
-        first = prefill_kernel(layer, amx_only=True) if isinstance(layer, W4A16Linear) else None
+        on_amx = isinstance(layer, W4A16Linear) and cpu_prefill.amx_available()
+        first = prefill_kernel(layer, amx_only=True) if on_amx else None
         large = first or self._torch_kernel(fmt, layer) or prefill_kernel(layer)
         if large is None:  # beyond the GEMV's rows: a dense copy, on oneDNN (which alone keeps it)
             layer.dense = DenseLinear(dequantized(layer, self.dtype or torch.float32), layer.bias).prepare(

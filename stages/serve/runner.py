@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 import time
@@ -102,10 +103,7 @@ def resident_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     populate = getattr(mmap, "MAP_POPULATE", None)
     if torch.device(device).type != "cpu" or populate is None:
         return torch.empty(shape, dtype=dtype, device=device).zero_()
-    count = 1
-    for n in shape:
-        count *= n
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (0 if background else populate)

@@ -7,8 +7,8 @@ Phases, in order (only those that ran are listed):
 - http: building the app and binding the port (the model loads in a thread started once it is bound);
 - artifact: resolving the source and checking the artifact (`stages/artifact.py: Artifact.open`);
 - tokenizer, weights (memory-mapping the safetensors files), layouts (building every projection's kernel
-  layouts, or reading them from the layout cache), kv_cache (mapping it; `serve` populates it from a thread), engine (the fused
-  decode step, the scheduler);
+  layouts, or reading them from the layout cache), kv_cache (mapping it; `serve` makes its pages resident
+  from a thread), engine (the fused decode step, the scheduler);
 - prebuild (oneDNN's per-shape primitives): after ready, in the background, reported on its own line.
 
 Each phase records wall seconds and the process's CPU seconds (user + system, all threads) spent in it.
