@@ -59,18 +59,37 @@ def run(source: Source,
         dtype: DTypeOpt = DType(DEFAULTS.dtype), backend: BackendOpt = Backend(DEFAULTS.backend),
         nnodes: NNodes = T.nnodes, node_rank: NodeRank = T.node_rank, master_addr: MasterAddr = T.master_addr,
         master_port: MasterPort = T.master_port, threads: Threads = DEFAULTS.threads) -> None:
+    import gc
+
+    args = {name: value for name, value in locals().items() if name != "gc"}
+    # Start-up makes about a million objects that live as long as the process (torch's, the HTTP stack's):
+    # cyclic collection meanwhile finds nothing and costs a fifth of torch's import here. Back on, with what
+    # exists by then frozen out of its reach, once the server is ready.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        _serve(args, collecting)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _serve(args: dict, collecting: bool) -> None:
+    """`run` with the collector off (see there); `collecting`: whether to turn it back on once ready."""
+    import gc
     import logging
 
     from llmopt.kernels.threads import apply_threads, describe, governor_for, usable_cpus
     from llmopt.stages.model_io import parse_dtype
-    from llmopt.stages.serve.build import build_engine
-    from llmopt.stages.serve.startup import EarlyLoad, StartupReport
+    from llmopt.stages.serve.build import build_engine, warm_up_in_background
+    from llmopt.stages.serve.startup import StartupReport
     from llmopt.stages.serve.tp.launch import run_worker_node
     from llmopt.stages.source import resolve
 
     startup = StartupReport()
-    options = stage_options(locals(), ServeConfig.options())
-    config = ServeConfig.from_options(options | {"served_model_name": served_model_name or source})
+    source = args["source"]
+    options = stage_options(args, ServeConfig.options())
+    config = ServeConfig.from_options(options | {"served_model_name": args["served_model_name"] or source})
     resolve(source)  # a wrong path or alias fails now, before the port is bound
     torch_dtype = parse_dtype(config.dtype)
     count = apply_threads(usable_cpus(config.threads))  # before the model's first parallel region
@@ -78,26 +97,24 @@ def run(source: Source,
         raise typer.Exit(run_worker_node(source, config.tp, config.device, torch_dtype, config.backend))
     log = logging.getLogger("llmopt.serve")
 
-    def load():
+    def load():  # in the server's loader thread, once the port is bound (/health: 503 until it returns)
         engine = build_engine(source, config.engine, config.device, torch_dtype, config.backend, tp_options=config.tp,
-                              startup=startup, background_prebuild=True)
+                              startup=startup, defer_warmup=True)
         if config.device == "cpu":
             engine.thread_governor = governor_for(count, on_change=lambda n, others: log.info(
                 "threads: %d, as other processes keep %.1f of our CPUs busy", n, others))
-        return engine
-
-    def loaded():  # in the server's loader thread, once its logging is set up
-        engine = early.result()
         log.info(describe(count))
+        startup.on_ready(lambda: warm_up_in_background(engine))
         return engine
 
-    # The model loads while the HTTP stack imports; the server's loader thread then waits for it.
-    early = EarlyLoad(load)
-    try:
-        from llmopt.stages.serve.http.server import serve
-    except BaseException:
-        early.wait()  # an interpreter that ends under a thread inside torch can abort
-        raise
+    def collect_again() -> None:
+        gc.freeze()  # start-up's objects stay: later collections need not walk them
+        gc.enable()
+
+    if collecting:
+        startup.on_ready(collect_again)
+    # Every import before the load, none beside it (startup.py says why).
+    from llmopt.stages.serve.http.server import serve
     startup.mark("imports")
-    serve(config.server, loaded, startup=startup)
+    serve(config.server, load, startup=startup)
 

@@ -47,14 +47,14 @@ class KVCachePlan:
 
 
 def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None, backend: str = "auto",
-                 tp_options=None, startup: StartupReport | None = None, background_prebuild: bool = False) -> LLMEngine:
+                 tp_options=None, startup: StartupReport | None = None, defer_warmup: bool = False) -> LLMEngine:
     """An engine serving `ref` (alias, GGUF, HF directory or artifact) on `device`, its kernels from `backend`
     ("auto", "cpu-native", "cpu-torch", "triton", "reference"; see `llmopt.kernels.select_backend`).
 
-    startup: times the phases (see startup.py). background_prebuild: build the matmul primitives
-    (`ModelRunner.prebuild_matmuls`) in a thread of their own, started as the engine is returned, instead of
-    before (the server is ready a second or more sooner; the primitives are all built moments later), and
-    make the KV cache's pages resident from another (`runner.resident_zeros`)."""
+    startup: times the phases (see startup.py). defer_warmup: leave the matmul primitives
+    (`ModelRunner.prebuild_matmuls`) and the KV cache's residency (`ModelRunner.make_kv_cache_resident`) to
+    `warm_up_in_background`, which the caller starts once it is ready (the server is ready a second or more
+    sooner; both are done moments later)."""
     from .cuda_graphs import graph_batch_sizes, graphs_apply
     from .loader import load_runtime, sharded_artifact
     from .runner import ModelRunner
@@ -67,7 +67,7 @@ def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None
     release_free_heap()
     with phase(startup, "kv_cache"):
         runner = ModelRunner(runtime, kv_cache_plan(config, runtime.spec, runtime).num_blocks, config.block_size,
-                             prebuild=not background_prebuild, populate_in_background=background_prebuild)
+                             prebuild=not defer_warmup, populate=not defer_warmup)
     with phase(startup, "engine"):
         if not config.enforce_eager and graphs_apply(runtime):
             runner.try_capture_decode_graphs(graph_batch_sizes(config.seqs_per_step))
@@ -79,16 +79,24 @@ def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None
                                   lambda draft: kv_cache_plan(config, draft.spec, draft, announce=False).num_blocks)
         engine = LLMEngine(runner, tokenizer, config, eos_token_ids=eos_token_ids(model_config, tokenizer),
                            proposer=proposer)
-    if background_prebuild:
-        _prebuild_in_background(runner, engine.config)
     return engine
 
 
-def _prebuild_in_background(runner, config: EngineConfig) -> threading.Thread:
-    """`runner.prebuild_matmuls` in a daemon thread (oneDNN's primitive cache is shared by all threads, so
-    what it builds serves the engine's); one log line when done. The process waits for it at exit (a
-    thread still inside torch when the interpreter ends can abort it)."""
+def warm_up_in_background(engine: LLMEngine) -> threading.Thread:
+    """What `build_engine(defer_warmup=True)` left, in a daemon thread: the KV cache's pages made resident,
+    then the matmul primitives built (oneDNN's primitive cache is shared by all threads, so what it builds
+    serves the engine's); a log line for each. Both are safe while the engine serves; until they are done a
+    step may fault a page in or build a primitive itself. The process waits for the thread at exit (a thread
+    still inside torch when the interpreter ends can abort it). Runners without them (tensor-parallel) skip."""
+    runner, config = engine.runner, engine.config
+
     def work() -> None:
+        if hasattr(runner, "make_kv_cache_resident"):
+            start = time.perf_counter()
+            if runner.make_kv_cache_resident():
+                log.debug("KV cache resident in %.2f s (in the background)", time.perf_counter() - start)
+        if not hasattr(runner, "prebuild_matmuls"):
+            return
         start = time.perf_counter()
         runner.prebuild = True
         try:
@@ -99,7 +107,7 @@ def _prebuild_in_background(runner, config: EngineConfig) -> threading.Thread:
         if calls:
             log.info("prebuilt %d matmul shapes in %.2f s (in the background)", calls, time.perf_counter() - start)
 
-    thread = threading.Thread(target=work, name="llmopt-prebuild", daemon=True)
+    thread = threading.Thread(target=work, name="llmopt-warmup", daemon=True)
     thread.start()
     atexit.register(thread.join)
     return thread

@@ -91,13 +91,12 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, without ch
 
 
 def resident_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
-                   background: bool = False) -> torch.Tensor:
+                   lazy: bool = False) -> torch.Tensor:
     """A zeroed tensor whose pages are all resident. On CPU: an anonymous mapping (its pages come zeroed)
     that the kernel populates in one call, several times quicker than faulting in and writing each page
-    (720 MiB: 0.18 s against 0.4-1.6 s at start-up here). background: return at once and populate from a
-    thread (madvise MADV_POPULATE_WRITE leaves written pages as they are, so the tensor can be used
-    meanwhile, and the call holds no GIL); where the kernel refuses it, pages fault in as first touched.
-    Elsewhere, or without MAP_POPULATE: empty, then zeroed."""
+    (720 MiB: 0.18 s against 0.4-1.6 s at start-up here). lazy: leave the pages to fault in as first
+    touched, or until `make_resident` (the mapping is zeroed either way). Elsewhere, or without
+    MAP_POPULATE: empty, then zeroed."""
     import mmap
 
     populate = getattr(mmap, "MAP_POPULATE", None)
@@ -106,28 +105,38 @@ def resident_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (0 if background else populate)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (0 if lazy else populate)
     region = mmap.mmap(-1, nbytes, flags=flags)
-    tensor = torch.frombuffer(region, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
-    if background:
-        import threading
-
-        threading.Thread(target=_populate, args=(tensor, nbytes), name="kv-populate", daemon=True).start()
-    return tensor
+    return torch.frombuffer(region, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
-def _populate(tensor: torch.Tensor, nbytes: int) -> None:
-    """Fault `nbytes` from the tensor's first byte in (holding the tensor, so its mapping outlives the call)."""
+RESIDENT_CHUNK = 64 << 20
+
+
+def make_resident(tensor: torch.Tensor, chunk: int = RESIDENT_CHUNK) -> bool:
+    """Fault a CPU tensor's pages in, writable, keeping what was written (madvise MADV_POPULATE_WRITE,
+    no GIL held), `chunk` bytes per call: the call holds the process's memory-map lock, and a thread of
+    ours that maps memory meanwhile (malloc, a page fault queued behind it) waits for the call, so one
+    call over the whole KV cache stalled start-up's other threads for up to 2 s here (a VM that zeroes fresh
+    pages slowly).
+    False where the kernel refuses it (the pages then fault in as first touched)."""
     import ctypes
+    import mmap
 
-    start = time.perf_counter()
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.device.type != "cpu" or nbytes == 0:
+        return True
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    if libc.madvise(tensor.data_ptr(), nbytes, _MADV_POPULATE_WRITE) != 0:  # ctypes drops the GIL for the call
-        log.debug("KV cache: madvise(MADV_POPULATE_WRITE) refused (%s); pages fault in as first touched",
-                  os.strerror(ctypes.get_errno()))
-        return
-    log.debug("KV cache: %.0f MiB resident in %.2f s", nbytes / 2**20, time.perf_counter() - start)
+    address = tensor.data_ptr()
+    first = address - address % mmap.PAGESIZE
+    end = address + nbytes
+    for at in range(first, end, chunk):
+        if libc.madvise(at, min(chunk, end - at), _MADV_POPULATE_WRITE) != 0:
+            log.debug("madvise(MADV_POPULATE_WRITE) refused (%s); pages fault in as first touched",
+                      os.strerror(ctypes.get_errno()))
+            return False
+    return True
 
 
 class ModelRunner:
@@ -135,12 +144,12 @@ class ModelRunner:
 
     prebuild: whether `prebuild_matmuls` builds the backend's per-shape matmul primitives (CPU: oneDNN's,
     seconds for SmolLM2, tens for an 8B model); without it memory grows as serving meets new batch sizes.
-    populate_in_background: make the CPU cache's pages resident from a thread, off start-up's critical path
-    (`resident_zeros`).
+    populate: make the CPU cache's pages resident now; without it they fault in as first used, or with
+    `make_kv_cache_resident` (start-up defers it until the server is ready).
     """
 
     def __init__(self, runtime: Runtime, num_blocks: int, block_size: int = 16, kv_dtype: torch.dtype | None = None,
-                 prebuild: bool = True, populate_in_background: bool = False):
+                 prebuild: bool = True, populate: bool = True):
         spec = runtime.spec
         if num_blocks < 1 or block_size < 1:
             raise ConfigError(f"the KV cache needs at least one block of at least one token "
@@ -152,12 +161,16 @@ class ModelRunner:
         # Zeroed, not left empty: padded gathers may read never-written slots, and 0 * NaN would leak.
         # Resident from the start, not lazily mapped (torch.zeros' calloc): RSS does not creep up as
         # serving reaches blocks for the first time, and no step pays those page faults.
-        self.kv_cache = resident_zeros(shape, self.kv_dtype, runtime.device, background=populate_in_background)
+        self.kv_cache = resident_zeros(shape, self.kv_dtype, runtime.device, lazy=not populate)
         self.kv_caches = list(self.kv_cache)
         self.k_caches, self.v_caches = [c[:, :, 0] for c in self.kv_caches], [c[:, :, 1] for c in self.kv_caches]
         self.scale = spec.head_dim ** -0.5
         self.fused_decode = self.backend.fused_decode(runtime.layers)  # None where the backend has none
         self.graphs: DecodeGraphs | None = None  # the captured decode steps, once `capture_decode_graphs` ran
+
+    def make_kv_cache_resident(self) -> bool:
+        """Fault the KV cache's pages in (`make_resident`); what was written stays. Safe while serving."""
+        return make_resident(self.kv_cache)
 
     @torch.inference_mode()
     def prebuild_matmuls(self, max_tokens: int, max_seqs: int) -> int:

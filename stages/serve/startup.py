@@ -3,22 +3,29 @@ the server was ready (`/health` 200), logged in the "serving on" line and kept f
 
 Phases, in order (only those that ran are listed):
 - imports: from the process's start (the kernel's record of it, `/proc/self/stat`) to the end of the
-  serve command's imports (torch, the HTTP stack);
+  serve command's imports (torch, the HTTP stack, the engine's modules). The model loads after them, not
+  beside them: both are Python holding the GIL, and a load thread whose torch calls release it waits a
+  switch interval (5 ms) each time to get it back from an importing thread (its layouts phase took 0.3 s
+  instead of 0.04 here);
 - http: building the app and binding the port (the model loads in a thread started once it is bound);
 - artifact: resolving the source and checking the artifact (`stages/artifact.py: Artifact.open`);
 - tokenizer, weights (memory-mapping the safetensors files), layouts (building every projection's kernel
   layouts, or reading them from the layout cache), kv_cache (mapping it; `serve` makes its pages resident
-  from a thread), engine (the fused decode step, the scheduler);
-- prebuild (oneDNN's per-shape primitives): after ready, in the background, reported on its own line.
+  once ready), engine (the fused decode step, the scheduler);
+- after ready, in the background (`StartupReport.on_ready`): the KV cache's pages made resident, then
+  oneDNN's per-shape primitives built (reported on a line of their own).
 
 Each phase records wall seconds and the process's CPU seconds (user + system, all threads) spent in it.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from contextlib import contextmanager, nullcontext
+
+log = logging.getLogger("llmopt.serve")
 
 
 def process_age() -> float | None:
@@ -49,6 +56,7 @@ class StartupReport:
         self.ready_at: float | None = None
         self._lock = threading.Lock()
         self._mark_wall, self._mark_cpu = self.start, 0.0  # `mark` measures from the process's start
+        self._on_ready: list = []
 
     def add(self, name: str, wall: float, cpu: float = 0.0) -> None:
         with self._lock:
@@ -71,9 +79,21 @@ class StartupReport:
         self._mark_wall, self._mark_cpu = wall, cpu
 
     def ready(self) -> None:
-        """The server answers /health 200 from now on."""
+        """The server answers /health 200 from now on; then what `on_ready` deferred until now runs."""
         self.ready_at = time.perf_counter()
         self.cpu_at_ready = time.process_time()
+        with self._lock:
+            deferred, self._on_ready = self._on_ready, []
+        for call in deferred:
+            try:
+                call()
+            except Exception as e:  # deferred work is an optimisation: the server serves without it
+                log.warning("after start-up: %s failed (%s: %s)", getattr(call, "__name__", call), type(e).__name__, e)
+
+    def on_ready(self, call) -> None:
+        """Run `call()` once the server is ready (work that would only delay it: caches, warm-up threads)."""
+        with self._lock:
+            self._on_ready.append(call)
 
     @property
     def ready_s(self) -> float | None:
@@ -98,34 +118,6 @@ class StartupReport:
         head = f"ready in {self.ready_s:.2f} s (cpu {self.cpu_at_ready:.2f} s)" if self.ready_at is not None \
             else "start-up"
         return f"{head}: {parts}{notes}"
-
-
-class EarlyLoad:
-    """`load()` run in a thread from now on, so the model loads while the rest of the process starts (the
-    HTTP stack's imports are a third of a second of Python here); `result()` waits for it and returns its
-    value or raises its error, in the caller's thread."""
-
-    def __init__(self, load):
-        self._value, self._error = None, None
-
-        def work() -> None:
-            try:
-                self._value = load()
-            except BaseException as e:  # handed to whoever asks for the result
-                self._error = e
-
-        # A daemon thread, as the server's own loader: Ctrl-C must not wait for it (`wait` does, on purpose).
-        self.thread = threading.Thread(target=work, name="llmopt-early-load", daemon=True)
-        self.thread.start()
-
-    def wait(self) -> None:
-        self.thread.join()
-
-    def result(self):
-        self.thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 def phase(report: "StartupReport | None", name: str):

@@ -7,7 +7,7 @@ from llmopt.stages.serve import runner as runner_mod
 from llmopt.stages.serve.loader import load_runtime
 from llmopt.stages.serve.model import spec_from_config
 from llmopt.stages.serve.runner import (ModelRunner, kv_bytes_per_block, num_kv_blocks, parse_kv_cache_memory,
-                                        resident_zeros)
+                                        make_resident, resident_zeros)
 from tests.stages.serve.runner_steps import Sequences, hf_last_logits
 
 CONFIG = dict(model_type="llama", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -89,14 +89,12 @@ def test_resident_zeros_is_zeroed_writable_and_resident():
     assert resident_zeros((0, 4), torch.float32, "cpu").shape == (0, 4)
 
 
-def test_resident_zeros_in_the_background_is_usable_at_once_and_keeps_what_was_written():
-    import threading
-
-    cache = resident_zeros((8, 64, 16, 2, 8, 64), torch.bfloat16, "cpu", background=True)  # 16 MiB
-    cache[0, 0].fill_(3.0)  # written while the pages are being populated: populating must not undo it
-    for thread in threading.enumerate():
-        if thread.name == "kv-populate":
-            thread.join()
+def test_lazy_resident_zeros_are_usable_at_once_and_made_resident_later_keeping_what_was_written():
+    cache = resident_zeros((8, 64, 16, 2, 8, 64), torch.bfloat16, "cpu", lazy=True)  # 16 MiB
+    assert _resident_kib(cache.data_ptr()) < 8 * 1024  # mapped, not yet faulted in
+    cache[0, 0].fill_(3.0)  # written before the pages are made resident: populating must not undo it
+    assert make_resident(cache[2:], chunk=1 << 20)  # a view that starts mid-page, in 1 MiB calls
+    assert make_resident(cache)
     assert _resident_kib(cache.data_ptr()) >= 16 * 1024
     assert cache[0, 0].eq(3.0).all() and not cache[1:].any() and not cache[0, 1:].any()
 

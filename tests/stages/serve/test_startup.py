@@ -1,9 +1,8 @@
 """Start-up (stages/serve/startup.py and what it times): the phase report, the layout cache through the
-loader (a second start reads what the first built, and serves the same tokens), the background prebuild,
+loader (a second start reads what the first built, and serves the same tokens), the warm-up deferred until ready,
 the artifact's hashes read once, and the "serving on" line with the report (JSON under --log-json)."""
 import json
 import logging
-import threading
 import time
 import warnings
 
@@ -13,7 +12,7 @@ import torch
 from llmopt.stages.artifact import Artifact
 from llmopt.stages.quantize.config import QuantizeConfig
 from llmopt.stages.quantize.run import run_quantize
-from llmopt.stages.serve.build import build_engine
+from llmopt.stages.serve.build import build_engine, warm_up_in_background
 from llmopt.stages.serve.engine.config import EngineConfig, SamplingParams
 from llmopt.stages.serve.startup import StartupReport, process_age
 from tests.helpers import write_hf_dir
@@ -89,16 +88,34 @@ def test_a_damaged_layout_file_is_rebuilt_at_start(w4_artifact, isolated_cache):
     assert fresh.notes["layouts"].startswith("hit") and _greedy(engine) == _greedy(again)
 
 
-def test_background_prebuild_serves_the_same_tokens(w4_artifact, isolated_cache, caplog):
+def test_deferred_warmup_serves_the_same_tokens_before_during_and_after_it(w4_artifact, isolated_cache):
     now = build_engine(str(w4_artifact), EngineConfig(**ENGINE), "cpu", torch.float32, "cpu-torch")
-    with caplog.at_level(logging.INFO, logger="llmopt.serve"):
-        later = build_engine(str(w4_artifact), EngineConfig(**ENGINE), "cpu", torch.float32, "cpu-torch",
-                             background_prebuild=True)
-        assert _greedy(now) == _greedy(later)
-        prebuild = [t for t in threading.enumerate() if t.name == "llmopt-prebuild"]
-        for t in prebuild:
-            t.join(60)
-    assert later.runner.prebuild  # the thread ran
+    later = build_engine(str(w4_artifact), EngineConfig(**ENGINE), "cpu", torch.float32, "cpu-torch",
+                         defer_warmup=True)
+    assert not later.runner.prebuild  # left for the warm-up
+    assert _greedy(now) == _greedy(later)  # served before it (the cache's pages fault in as used)
+    thread = warm_up_in_background(later)
+    assert _greedy(now) == _greedy(later)
+    thread.join(60)
+    assert not thread.is_alive() and later.runner.prebuild
+    assert _greedy(now) == _greedy(later)
+
+
+def test_work_deferred_until_ready_runs_once_then_and_a_failure_does_not_stop_the_rest(caplog):
+    report, ran = StartupReport(), []
+
+    def broken():
+        raise OSError("no")
+
+    report.on_ready(lambda: ran.append("first"))
+    report.on_ready(broken)
+    report.on_ready(lambda: ran.append("last"))
+    assert ran == []
+    with caplog.at_level(logging.WARNING, logger="llmopt.serve"):
+        report.ready()
+    assert ran == ["first", "last"] and "broken failed (OSError: no)" in caplog.text
+    report.ready()
+    assert ran == ["first", "last"]
 
 
 def test_artifact_hashes_are_read_once_then_trusted_while_unchanged(w4_artifact, isolated_cache, monkeypatch):
@@ -164,20 +181,3 @@ def test_the_serving_line_carries_the_report(w4_artifact, isolated_cache, caplog
             assert data["startup"]["ready_s"] > 0 and data["startup"]["notes"]["layouts"]
         else:
             assert "model loaded; serving on http://" in lines[-1] and "layouts" in lines[-1] and "ready in" in lines[-1]
-
-
-def test_an_early_load_hands_over_its_value_or_its_error():
-    from llmopt.stages.errors import SourceError
-    from llmopt.stages.serve.startup import EarlyLoad
-
-    release = threading.Event()
-    early = EarlyLoad(lambda: release.wait(10) and "engine")
-    assert early.thread.is_alive()  # loading while the caller goes on
-    release.set()
-    assert early.result() == "engine"
-
-    def broken():
-        raise SourceError("no such model")
-
-    with pytest.raises(SourceError, match="no such model"):
-        EarlyLoad(broken).result()
