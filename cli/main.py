@@ -1,6 +1,10 @@
-"""The `llmopt` command: wires the subcommands and turns user errors into one line and exit 2."""
+"""The `llmopt` command: wires the subcommands and turns user errors into one line and exit 2.
+
+A process imports only the command module it runs (`llmopt serve` never loads the bench's); help, no
+command or an unknown one build every command, so they read exactly as the full app does."""
 from __future__ import annotations
 
+import importlib
 import signal
 import sys
 import threading
@@ -14,38 +18,81 @@ from typer.exceptions import TyperException
 
 from llmopt.stages.errors import LlmoptError
 
-from . import (bench_cmd, bench_compare_cmd, bench_summary_cmd, eval_cmd, generate_cmd, import_cmd, inspect_cmd,
-               profile_cmd, prune_cmd, quantize_cmd, run_cmd, serve_cmd, shard_cmd)
-
-app = typer.Typer(
-    name="llmopt", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-    help="Compress-then-serve toolchain for causal language models.",
+# (name, module in llmopt.cli whose `run` is the command, help), in the order help lists them
+COMMANDS = (
+    ("run", "run_cmd", "Run a recipe (YAML pipeline): stages in order, finished ones skipped, one comparison table."),
+    ("import", "import_cmd", "Write a base artifact from any model source."),
+    ("inspect", "inspect_cmd", "Show an artifact's manifest, lineage, sizes and metrics."),
+    ("quantize", "quantize_cmd", "Quantize (RTN, GPTQ, AWQ, SmoothQuant, bitsandbytes) into a compressed-tensors artifact."),
+    ("prune", "prune_cmd", "Prune (magnitude, Wanda, SparseGPT; unstructured, N:M) or shrink (MLP channels, layers)."),
+    ("shard", "shard_cmd", "Split a model for tensor-parallel serving (--tp N): one folder per rank plus the plan."),
+    ("eval", "eval_cmd", "Perplexity (and KL vs a reference) on a text, GPTQ-style windows."),
+    ("generate", "generate_cmd", "Offline generation through the serve engine (one prompt, or a resumable JSONL batch)."),
+    ("profile", "profile_cmd", "Where time and memory go on the serve engine: roofline, per-layer/op, capacity plan, HTML."),
+    ("serve", "serve_cmd", "OpenAI-compatible HTTP server: streaming, metrics, health, backpressure, auth."),
 )
-app.command("run", help="Run a recipe (YAML pipeline): stages in order, finished ones skipped, one comparison table.")(run_cmd.run)
-app.command("import", help="Write a base artifact from any model source.")(import_cmd.run)
-app.command("inspect", help="Show an artifact's manifest, lineage, sizes and metrics.")(inspect_cmd.run)
-app.command("quantize", help="Quantize (RTN, GPTQ, AWQ, SmoothQuant, bitsandbytes) into a compressed-tensors artifact.")(quantize_cmd.run)
-app.command("prune", help="Prune (magnitude, Wanda, SparseGPT; unstructured, N:M) or shrink (MLP channels, layers).")(prune_cmd.run)
-app.command("shard", help="Split a model for tensor-parallel serving (--tp N): one folder per rank plus the plan.")(shard_cmd.run)
-app.command("eval", help="Perplexity (and KL vs a reference) on a text, GPTQ-style windows.")(eval_cmd.run)
-app.command("generate", help="Offline generation through the serve engine (one prompt, or a resumable JSONL batch).")(generate_cmd.run)
-app.command("profile", help="Where time and memory go on the serve engine: roofline, per-layer/op, capacity plan, HTML.")(profile_cmd.run)
-app.command("serve", help="OpenAI-compatible HTTP server: streaming, metrics, health, backpressure, auth.")(serve_cmd.run)
-bench = typer.Typer(invoke_without_command=True, add_completion=False, help=(
-    "Load-test an OpenAI-compatible server: throughput, TTFT, TPOT, ITL and end-to-end latency; or, with --offline, "
-    "the engine in this process against transformers."))
-bench.callback()(bench_cmd.run)
-bench.command("compare", help="Side-by-side table of two --json reports; exit 1 on a regression beyond the bound.")(
-    bench_compare_cmd.run)
-bench.command("summary", help="One Markdown table of a folder of NAME-cC.json reports (make bench), ratios to a baseline.")(
-    bench_summary_cmd.run)
-app.add_typer(bench, name="bench", help="Load-test an OpenAI-compatible server (or the engine offline); `bench compare` "
-              "gates regressions.")
+BENCH_COMMANDS = (
+    ("compare", "bench_compare_cmd", "Side-by-side table of two --json reports; exit 1 on a regression beyond the bound."),
+    ("summary", "bench_summary_cmd", "One Markdown table of a folder of NAME-cC.json reports (make bench), ratios to a baseline."),
+)
+BENCH_HELP = ("Load-test an OpenAI-compatible server: throughput, TTFT, TPOT, ITL and end-to-end latency; or, with "
+              "--offline, the engine in this process against transformers.")
+BENCH_SHORT_HELP = "Load-test an OpenAI-compatible server (or the engine offline); `bench compare` gates regressions."
+ROOT_OPTIONS = ("--debug",)  # the root's options that take no value: what may stand before the command's name
 
 
-@app.callback()
+def _run(module: str):
+    return importlib.import_module(f"{__package__}.{module}").run
+
+
 def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors.")) -> None:
     """llmopt: prune, quantize, shard, profile, serve and bench causal LMs."""
+
+
+def _bench_subcommand_only() -> None:
+    """`llmopt bench compare|summary`: bench's own callback would return at once, its options all default."""
+
+
+def build_app(argv: list[str] | None = None) -> typer.Typer:
+    """The `llmopt` app with the one command argv names (and, for `bench NAME`, that subcommand only);
+    every command when argv is None or names none (help, no command, an unknown one)."""
+    name, rest = _command_in(argv)
+    app = typer.Typer(name="llmopt", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                      help="Compress-then-serve toolchain for causal language models.")
+    app.callback()(_root)
+    for command, module, text in COMMANDS:
+        if name in (None, command):
+            app.command(command, help=text)(_run(module))
+    if name in (None, "bench"):
+        app.add_typer(_bench(rest if name else None), name="bench", help=BENCH_SHORT_HELP)
+    return app
+
+
+def _bench(argv: list[str] | None) -> typer.Typer:
+    sub = argv[0] if argv else None
+    only = sub if sub in {command for command, _, _ in BENCH_COMMANDS} else None
+    bench = typer.Typer(invoke_without_command=True, add_completion=False, help=BENCH_HELP)
+    bench.callback()(_bench_subcommand_only if only else _run("bench_cmd"))
+    for command, module, text in BENCH_COMMANDS:
+        if only in (None, command):
+            bench.command(command, help=text)(_run(module))
+    return bench
+
+
+def _command_in(argv: list[str] | None) -> tuple[str | None, list[str]]:
+    """The command argv runs and the arguments after it; None when it runs none of ours (or only asks for help)."""
+    known = {command for command, _, _ in COMMANDS} | {"bench"}
+    for i, arg in enumerate(argv or ()):
+        if arg not in ROOT_OPTIONS:
+            return (arg, argv[i + 1:]) if arg in known else (None, [])
+    return None, []
+
+
+def __getattr__(name: str):
+    if name == "app":  # every command, for `typer.main.get_command(app)` (tests, docs); built on first use
+        globals()["app"] = app = build_app()
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _fail(message: str, code: int) -> int:
@@ -66,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
     debug = "--debug" in argv
-    command = typer.main.get_command(app)
-    try:
+    try:  # the command's module imports here: a Ctrl-C in it is one more interrupt
+        command = typer.main.get_command(build_app(argv))
         result = command.main(args=argv, prog_name="llmopt", standalone_mode=False)
         if result == 130:  # typer's click turns Ctrl-C / SIGTERM into a silent exit code 130
             return _fail("interrupted", 130)
