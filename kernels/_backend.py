@@ -2,13 +2,13 @@
 the torch twin otherwise) and the Triton launch plumbing. Which kernels a model runs is decided once by
 its `Backend` (`backend.py`), which always passes the op backend explicitly.
 
-Triton is imported here, guarded, so that a machine without it can still import every kernel
-module (the kernels are then plain Python functions that nobody launches). The choice of
-interpreter vs compiler is made per launch from the tensors' device, not from the process
-environment at import time: a CPU tensor can only run under Triton's interpreter, a CUDA
-tensor only compiled. That keeps tests correct whatever order modules were imported in. One
-process runs kernels one way only: the first launch fixes it, and a launch the other way is a
-KernelBackendError (the interpreter rewires triton.language, which breaks later compiled launches).
+Triton is imported at the first launch, not with the kernel modules (`_triton`: `jit`, `tl` and `constexpr`
+are stand-ins until then), so that a process that launches none, or a machine without triton, imports every
+kernel module without it. The choice of interpreter vs compiler is made per launch from the tensors' device,
+not from the process environment at import time: a CPU tensor can only run under Triton's interpreter, a CUDA
+tensor only compiled. That keeps tests correct whatever order modules were imported in. One process runs
+kernels one way only: the first launch fixes it, and a launch the other way is a KernelBackendError (the
+interpreter rewires triton.language, which breaks later compiled launches).
 `recording` turns launches into records of what would be launched (`compile_check`).
 """
 from __future__ import annotations
@@ -18,25 +18,8 @@ import functools
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # pragma: no cover - exercised only on machines without triton
-    triton = None
-
-    class _NoTriton:
-        """Stands in for `triton.language` so kernel signatures still evaluate."""
-
-        def __getattr__(self, name):
-            return None
-
-    tl = _NoTriton()
-
-    def jit(fn):
-        return fn
-
+# `jit`, `tl` and `constexpr` are the kernel modules' (stand-ins until the first launch: `_triton`).
+from ._triton import LazyKernel, available, constexpr, jit, language, stdlib_interpreted, tl
 
 OP_BACKENDS = ("triton", "torch")
 
@@ -46,12 +29,12 @@ class KernelBackendError(RuntimeError):
 
 
 def pick_backend(x: torch.Tensor, backend: str | None) -> str:
-    """`backend` if given, else "triton" for CUDA tensors (when triton imports) and "torch" otherwise."""
+    """`backend` if given, else "triton" for CUDA tensors (when triton is installed) and "torch" otherwise."""
     if backend is None:
-        return "triton" if x.is_cuda and triton is not None else "torch"
+        return "triton" if x.is_cuda and available() else "torch"
     if backend not in OP_BACKENDS:
         raise KernelBackendError(f"unknown kernel backend {backend!r}; use one of {OP_BACKENDS} or None")
-    if backend == "triton" and triton is None:
+    if backend == "triton" and not available():
         raise KernelBackendError("backend='triton' needs the triton package: pip install triton")
     return backend
 
@@ -65,15 +48,9 @@ def _interpreted(fn):
 
 @functools.lru_cache(maxsize=None)
 def _compiled(fn):
-    return triton.runtime.jit.JITFunction(fn)
-
-
-def stdlib_interpreted() -> bool:
-    """Triton was imported with TRITON_INTERPRET set: its own @jit helpers (tl.zeros, tl.max, ...) are then
-    interpreter functions, and this process cannot compile kernels that call them."""
     from triton.runtime.jit import JITFunction
 
-    return not isinstance(tl.zeros, JITFunction)
+    return JITFunction(fn)
 
 
 # How this process has launched Triton kernels so far: None, "interpreted" or "compiled". One process does one
@@ -111,10 +88,11 @@ def _interpreter_index_is_strict() -> bool:
 
     if not hasattr(interpreter, "_LangPatchScope") or not hasattr(interpreter, "_patch_lang_tensor"):
         return False
+    tensor = language().tensor
     scope = interpreter._LangPatchScope()
-    interpreter._patch_lang_tensor(tl.tensor, scope)
+    interpreter._patch_lang_tensor(tensor, scope)
     try:
-        tl.tensor.__index__(types.SimpleNamespace(handle=types.SimpleNamespace(data=np.ones(1, np.int32))))
+        tensor.__index__(types.SimpleNamespace(handle=types.SimpleNamespace(data=np.ones(1, np.int32))))
     except TypeError:
         return True
     finally:
@@ -177,6 +155,8 @@ class _Launcher:
     def __init__(self, kernel, device: torch.device):
         from triton.runtime.interpreter import InterpretedFunction
 
+        if isinstance(kernel, LazyKernel):
+            kernel = kernel.materialize()
         self.on_cpu = device.type == "cpu"
         interpreted = isinstance(kernel, InterpretedFunction)
         if self.on_cpu:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from . import BACKENDS
-from ._backend import KernelBackendError, triton
+from ._backend import KernelBackendError, available as triton_available
 from .cpu_backends import CpuNativeBackend, CpuTorchBackend, unavailable_reason
 from .op_backends import ReferenceBackend, TritonBackend
 from .paged_attention import StepMetadata
@@ -89,7 +89,7 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", dtype
         cls = CpuNativeBackend if name == "cpu-native" else CpuTorchBackend
         return cls(device, dtype)
     if name == "triton":
-        if triton is None:
+        if not triton_available():
             raise KernelBackendError("triton: the triton package is not installed (pip install triton)")
         return TritonBackend(device)
     if name == "reference":
@@ -99,7 +99,7 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", dtype
 
 def _auto(device: torch.device, dtype: torch.dtype | None) -> str:
     if device.type == "cuda":
-        return "triton" if triton is not None else "reference"
+        return "triton" if triton_available() else "reference"
     if device.type != "cpu":
         return "reference"
     return "cpu-native" if unavailable_reason(dtype) is None else "cpu-torch"

@@ -189,12 +189,14 @@ def all_kernels() -> list[str]:
 
     from triton.runtime.jit import KernelInterface
 
+    from ._triton import LazyKernel
+
     package = importlib.import_module(__package__)
     jitted = {}
     for info in pkgutil.iter_modules(package.__path__):
         module = importlib.import_module(f"{__package__}.{info.name}")
         jitted.update({f"{module.__name__}:{value.fn.__name__}": value for value in vars(module).values()
-                       if isinstance(value, KernelInterface) and value.fn.__module__ == module.__name__})
+                       if isinstance(value, (LazyKernel, KernelInterface)) and value.fn.__module__ == module.__name__})
     sources = {key: inspect.getsource(value.fn) for key, value in jitted.items()}
 
     def called(key: str) -> bool:
@@ -210,8 +212,11 @@ def all_kernels() -> list[str]:
 def _jit_function(kernel: str):
     from triton.runtime.jit import JITFunction
 
+    from ._triton import LazyKernel
+
     module, name = kernel.split(":")
     fn = getattr(importlib.import_module(module), name)
+    fn = fn.materialize() if isinstance(fn, LazyKernel) else fn  # the module's helpers and `tl` made real too
     return fn if isinstance(fn, JITFunction) else JITFunction(fn.fn)
 
 
@@ -374,7 +379,7 @@ def main(argv=None) -> int:
                         "combination of T choices (constexprs, dtypes) is still compiled (tests use 2)")
     parser.add_argument("--list", action="store_true", help="only list the recorded launches")
     args = parser.parse_args(argv)
-    from ._backend import stdlib_interpreted
+    from ._triton import stdlib_interpreted
 
     if stdlib_interpreted():
         print("compile_check: unset TRITON_INTERPRET (an interpreted process cannot compile)", file=sys.stderr)

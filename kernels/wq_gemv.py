@@ -31,18 +31,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ._backend import cdiv, check, jit, launchable, tl
+from ._backend import cdiv, check, constexpr, jit, launchable, tl
 
 GEMV_MAX_M = 16  # rows of x: the dot's N side (16, the least tl.dot takes)
 BLOCK_N = 64  # rows of the dot: one warpgroup's wgmma on sm_90
 GEMV_STAGES = {1: 4, 2: 3, 4: 2}  # software-pipeline depth by stacking (the x tile grows with it)
 
 # Group modes: where scales (and zero points) are applied. Constexprs, so kernels can compare with them.
-_constexpr = tl.constexpr if tl.constexpr is not None else int  # triton missing: plain ints nobody launches
-ONE = _constexpr(0)  # one group per row (channel-wise): scale once after the K loop
-STEP = _constexpr(1)  # a group spans whole K steps: one scale per row per step, on the step's dot
-WORD = _constexpr(2)  # a word lies in one group: scale (and zero) gathered per word
-ELEMENT = _constexpr(3)  # any group size: per input column (slowest)
+ONE = constexpr(0)  # one group per row (channel-wise): scale once after the K loop
+STEP = constexpr(1)  # a group spans whole K steps: one scale per row per step, on the step's dot
+WORD = constexpr(2)  # a word lies in one group: scale (and zero) gathered per word
+ELEMENT = constexpr(3)  # any group size: per input column (slowest)
 
 
 @jit

@@ -81,3 +81,30 @@ def test_fresh_process_imports_cheaply_and_interprets_after_plain_triton_import(
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@requires_triton
+def test_kernel_modules_import_triton_at_the_first_launch_only():
+    """Importing every kernel module (as `llmopt serve` on CPU does) leaves triton unimported. The first launch
+    imports it and gives the kernels' modules Triton's names: in a fresh process, a kernel that calls helpers of
+    another module (wq_matmul's, wq_gemv's) runs right."""
+    script = textwrap.dedent("""
+        import importlib, pkgutil, sys
+        import torch
+        import llmopt.kernels as K
+        for info in pkgutil.iter_modules(K.__path__):
+            importlib.import_module(f"llmopt.kernels.{info.name}")
+        assert "triton" not in sys.modules, "importing the kernel modules imported triton"
+        from llmopt.kernels import wq_gemv, wq_matmul
+        x, w = torch.randn(17, 64), torch.randint(-128, 128, (24, 64), dtype=torch.int8)  # 17 rows: not the GEMV
+        scale = torch.rand(24, 2) / 100
+        torch.testing.assert_close(K.w8a16_matmul(x, w, scale, group_size=32, backend="triton"),
+                                   K.w8a16_matmul(x, w, scale, group_size=32, backend="torch"), atol=1e-4, rtol=1e-4)
+        import triton.language as tl
+        assert wq_matmul.tl is tl and wq_gemv.tl is tl and isinstance(wq_matmul.STEP, tl.constexpr)
+        assert wq_matmul.weight_tile is wq_gemv.weight_tile  # one Triton kernel for both modules
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -135,6 +135,7 @@ from triton.compiler import ASTSource, compile
 
 from llmopt.kernels.wq_gemv import BLOCK_N, _wq_gemv_kernel, plan_gemv
 
+_wq_gemv_kernel = _wq_gemv_kernel.materialize()  # the JITFunction (the kernel modules import triton lazily)
 plan = plan_gemv(14336, 4096, 4, 128, 32, 132)
 ints = ("M", "N", "K", "KW", "group_size", "kw_per_split", "kw_per_slice", "stride_xm", "stride_wn", "stride_sn",
         "stride_zn", "stride_om")
