@@ -53,3 +53,10 @@ def test_decode_points_are_timed_in_interleaved_passes():
     assert runner.calls == ["b1"] * 3 + ["b4"] * 3 + ["b1", "b1", "b4", "b4", "b1", "b4"]
     assert spread_ms([0.003, 0.001, 0.002]) == pytest.approx(
         {"ms": 2.0, "ms_min": 1.0, "ms_median": 2.0, "ms_max": 3.0})
+
+
+def test_latency_plot_bars_span_each_points_spread():
+    from llmopt.stages.profile.plots import spread_bars
+
+    assert spread_bars([{"ms": 2.0, "ms_min": 1.0, "ms_max": 5.0}]) == [[1.0], [3.0]]
+    assert spread_bars([{"ms": 2.0}]) is None  # a report written before points kept their spread
