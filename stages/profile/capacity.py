@@ -1,6 +1,11 @@
 """Capacity planner: how many sequences fit a memory budget at a context length, what each batch
 size costs in latency, and which `--max-num-seqs` meets a per-token latency target. Pure arithmetic
-on measured numbers; every formula is stored next to its result."""
+on measured numbers; every formula is stored next to its result.
+
+A decode step of more sequences does more work, so its time cannot fall as the batch grows. A sweep
+where a smaller batch is slower than a larger one beyond both points' spread (its fastest step slower
+than the larger batch's slowest) measured the machine's load, not the model: it is flagged and no
+`--max-num-seqs` is recommended from it."""
 from __future__ import annotations
 
 import math
@@ -21,6 +26,7 @@ class PlanInputs:
     decode_context: int
     ms_per_context_token: float  # extra step time per cached token of one sequence (batch-1 fit)
     target_tpot_ms: float | None = None
+    decode_spread: tuple = ()  # ((batch, fastest ms, slowest ms), ...); a batch not here: no spread known
 
 
 def tpot_at(inputs: PlanInputs, batch: int, measured_ms: float) -> float:
@@ -33,21 +39,37 @@ def plan_capacity(inputs: PlanInputs) -> dict:
     per_seq = blocks_for(inputs.context, inputs.block_size) * inputs.block_size * inputs.kv_bytes_per_token
     kv_budget = inputs.budget_bytes - inputs.weights_bytes - inputs.overhead_bytes
     max_seqs = max(0, kv_budget // per_seq)
+    spread = {batch: (low, high) for batch, low, high in inputs.decode_spread}
     rows = []
     for batch, ms in sorted(inputs.decode):
         tpot = tpot_at(inputs, batch, ms)
-        rows.append({"batch": batch, "measured_ms": ms, "tpot_ms": tpot, "tokens_per_s": batch / tpot * 1e3,
-                     "fits": batch <= max_seqs})
+        low, high = spread.get(batch, (ms, ms))
+        rows.append({"batch": batch, "measured_ms": ms, "measured_ms_min": low, "measured_ms_max": high,
+                     "tpot_ms": tpot, "tokens_per_s": batch / tpot * 1e3, "fits": batch <= max_seqs})
+    problems = non_monotone(rows)
     recommended, reason = recommend(rows, max_seqs, inputs.target_tpot_ms)
+    if problems:
+        recommended, reason = None, ("none: the batch sweep is not monotone beyond its noise (the machine's "
+                                     "load, not the model); measure again on a quieter machine, or with more "
+                                     "--decode-steps")
     return {"budget_bytes": inputs.budget_bytes, "weights_bytes": inputs.weights_bytes,
             "overhead_bytes": inputs.overhead_bytes, "kv_budget_bytes": kv_budget, "context": inputs.context,
             "kv_bytes_per_seq": per_seq, "max_num_seqs_fit": max_seqs, "tradeoff": rows,
             "target_tpot_ms": inputs.target_tpot_ms, "recommended_max_num_seqs": recommended, "reason": reason,
+            "monotone": not problems, "sweep_problems": problems,
             "formulas": {
                 "kv_bytes_per_seq": "ceil(context / block_size) * block_size * kv_bytes_per_token",
                 "max_num_seqs_fit": "(budget - weights - overhead) // kv_bytes_per_seq",
                 "tpot_ms": f"measured_ms(batch, context {inputs.decode_context}) + batch * "
                            f"{inputs.ms_per_context_token:.3g} ms/token * (context - {inputs.decode_context})"}}
+
+
+def non_monotone(rows: list[dict]) -> list[str]:
+    """Each pair of batches (by size) where the smaller one's fastest step is slower than the larger one's
+    slowest step: a drop in step time beyond both points' spread."""
+    return [f"batch {lo['batch']} ({lo['measured_ms_min']:,.2f} ms at its fastest) is slower than batch "
+            f"{hi['batch']} ({hi['measured_ms_max']:,.2f} ms at its slowest)"
+            for i, lo in enumerate(rows) for hi in rows[i + 1:] if lo["measured_ms_min"] > hi["measured_ms_max"]]
 
 
 def recommend(rows: list[dict], max_seqs: int, target: float | None) -> tuple[int | None, str]:

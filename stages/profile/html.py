@@ -45,7 +45,9 @@ def _summary(report: dict) -> str:
         r, b, c = s["roofline"], s["breakdown"]["decode"], s["capacity"]
         lines.append(f"<li><code>{html.escape(s['source'])}</code>: batch-1 decode {r['step_ms']:.1f} ms/step, "
                      f"{r['bandwidth_share']:.1%} of the copy bandwidth; per-layer parts sum to {b['ratio']:.1%} "
-                     f"of the step; recommended <code>--max-num-seqs {c['recommended_max_num_seqs']}</code></li>")
+                     f"of the step; recommended <code>--max-num-seqs {c['recommended_max_num_seqs']}</code>"
+                     + ("" if c.get("monotone", True) else " (the batch sweep is not monotone beyond its noise)")
+                     + "</li>")
     return "<ul>" + "".join(lines) + "</ul>"
 
 

@@ -22,16 +22,18 @@ def _png(fig) -> bytes:
 
 
 def latency_figure(report: dict) -> bytes:
-    """Decode ms/step and tokens/s against batch size, and prefill latency against prompt length."""
+    """Decode ms/step and tokens/s against batch size, and prefill latency against prompt length; bars:
+each point's fastest to slowest timing."""
     plt = _pyplot()
     fig, (step_ax, tps_ax, pre_ax) = plt.subplots(1, 3, figsize=(15, 4.2))
     target = report["config"].get("target_tpot_ms")
     for s in report["sources"]:
         batches = [p["batch"] for p in s["decode"]]
-        step_ax.plot(batches, [p["ms"] for p in s["decode"]], marker="o", label=s["source"])
+        step_ax.errorbar(batches, [p["ms"] for p in s["decode"]], yerr=spread_bars(s["decode"]), marker="o",
+                         capsize=3, label=s["source"])
         tps_ax.plot(batches, [p["tokens_per_s"] for p in s["decode"]], marker="o", label=s["source"])
-        pre_ax.plot([p["prompt_len"] for p in s["prefill"]], [p["ms"] for p in s["prefill"]], marker="o",
-                    label=s["source"])
+        pre_ax.errorbar([p["prompt_len"] for p in s["prefill"]], [p["ms"] for p in s["prefill"]],
+                        yerr=spread_bars(s["prefill"]), marker="o", capsize=3, label=s["source"])
     if target:
         step_ax.axhline(target, color="tab:red", linestyle="--", label=f"target {target:g} ms")
     context = report["sources"][0]["decode"][0]["context"]
@@ -43,6 +45,13 @@ def latency_figure(report: dict) -> bytes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     return _png(fig)
+
+
+def spread_bars(points: list[dict]) -> list[list[float]] | None:
+    """[below, above] the median to each point's fastest and slowest timing (None: an older report)."""
+    if not all("ms_min" in p for p in points):
+        return None
+    return [[p["ms"] - p["ms_min"] for p in points], [p["ms_max"] - p["ms"] for p in points]]
 
 
 def roofline_figure(report: dict) -> bytes:

@@ -29,7 +29,7 @@ from .costs import PROJECTIONS, kv_bytes_per_token, parameter_count, tensor_byte
 from .machine import measure_machine, peak_memory, reset_peak_memory, resident_bytes, torch_threads
 from .plan import SweepPlan, plan_sweep
 from .steps import decode_step, prefill_step
-from .sweeps import context_slope, decode_point, prefill_point, roofline
+from .sweeps import context_slope, decode_point, interleaved_seconds, prefill_point, roofline
 
 DEFAULT_BUDGET_FRACTION = 0.9
 
@@ -165,15 +165,17 @@ class _SourceSweep:
         self.hooks.status(f"{self.ref}: prefill at {', '.join(map(str, plan.prompt_lens))} tokens")
         prefill = [self._done(prefill_point(runner, n, cfg.repeats)) for n in plan.prompt_lens]
 
-        def decode(batch: int, context: int) -> dict:
-            return self._done(decode_point(runner, batch, context, cfg.decode_steps, weight_bytes,
-                                           copy_bytes_per_s, kv_token))
+        def decode(points: list[tuple[int, int]]) -> list[dict]:
+            steps = {point: decode_step(runner, *point) for point in points}
+            seconds = interleaved_seconds(runner, steps, cfg.decode_steps)
+            return [self._done(decode_point(runner, steps[p], seconds[p], weight_bytes, copy_bytes_per_s, kv_token))
+                    for p in points]
 
         self.hooks.status(f"{self.ref}: decode at batch {', '.join(map(str, plan.batch_sizes))}, "
                           f"context {plan.decode_context}")
-        batches = [decode(b, plan.decode_context) for b in plan.batch_sizes]
+        batches = decode([(b, plan.decode_context) for b in plan.batch_sizes])
         self.hooks.status(f"{self.ref}: decode at batch 1, context {', '.join(map(str, plan.context_lens))}")
-        contexts = [decode(1, c) for c in plan.context_lens]
+        contexts = decode([(1, c) for c in plan.context_lens])
         configured = len(cfg.prompt_lens) + len(cfg.batch_sizes) + len(cfg.context_lens)
         self.progress.tick(configured - len(prefill) - len(batches) - len(contexts))  # the skipped points
         return prefill, batches, contexts
@@ -203,6 +205,7 @@ def _plan_inputs(config: ProfileConfig, memory: dict, weights: dict, decode: lis
         overhead_bytes=max(0, (memory["peak_bytes"] or 0) - memory["after_cache_bytes"]),
         kv_bytes_per_token=memory["kv_bytes_per_token"], block_size=config.block_size, context=plan.plan_context,
         decode=tuple((p["batch"], p["ms"]) for p in decode), decode_context=plan.decode_context,
+        decode_spread=tuple((p["batch"], p["ms_min"], p["ms_max"]) for p in decode),
         ms_per_context_token=context_slope(contexts), target_tpot_ms=config.target_tpot_ms)
 
 

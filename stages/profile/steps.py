@@ -7,8 +7,6 @@ never prefilled: the cache holds zeros there, which costs exactly what real keys
 """
 from __future__ import annotations
 
-import statistics
-
 import torch
 
 from ..serve.batch import StepInput
@@ -61,7 +59,3 @@ def time_step(runner: ModelRunner, step: StepInput, repeats: int, warmup: int = 
     for _ in range(warmup):
         runner.execute(step)
     return [timed(lambda: runner.execute(step), device) for _ in range(repeats)]
-
-
-def median_ms(seconds: list[float]) -> float:
-    return statistics.median(seconds) * 1e3

@@ -3,38 +3,64 @@
 Every point is `ModelRunner.execute` on a StepInput, the call the engine's step makes. The
 roofline columns follow one formula, kept in the rows so it can be checked by hand:
 share = (weight_bytes / step_seconds) / copy_bytes_per_s.
+
+Every point keeps the spread of its timings (`ms_min`, `ms_median` = `ms`, `ms_max`). Decode points
+are timed in `SWEEP_ROUNDS` passes over the sweep, so a burst of load on a shared machine lands in one
+pass of every point rather than in every step of one, and shows as spread instead of as a slow point.
 """
 from __future__ import annotations
 
-from ..serve.model import ModelSpec
+import statistics
+
+from ..serve.batch import StepInput
 from ..serve.runner import ModelRunner
 from .costs import decode_flops, prefill_flops
-from .steps import decode_step, median_ms, prefill_step, time_step
+from .steps import prefill_step, time_step
 
 CHEAP_WARMUP_TOKENS = 512  # longer prompts are timed without a warm-up call: it would double their cost
+SWEEP_ROUNDS = 3  # interleaved passes over the decode points (the steps per point are split between them)
+
+
+def spread_ms(seconds: list[float]) -> dict:
+    """The median (a point's `ms`) and the range of its timings, in ms."""
+    ms = [s * 1e3 for s in seconds]
+    return {"ms": statistics.median(ms), "ms_min": min(ms), "ms_median": statistics.median(ms), "ms_max": max(ms)}
 
 
 def prefill_point(runner: ModelRunner, prompt_len: int, repeats: int) -> dict:
-    """Latency, tokens/s and FLOP/s of one prompt prefilled in one step."""
+    """Latency (median and spread), tokens/s and FLOP/s of one prompt prefilled in one step."""
     warmup = 1 if prompt_len <= CHEAP_WARMUP_TOKENS else 0
-    ms = median_ms(time_step(runner, prefill_step(runner, prompt_len), repeats, warmup))
-    flops = prefill_flops(runner.runtime.spec, prompt_len)
-    return {"prompt_len": prompt_len, "ms": ms, "tokens_per_s": prompt_len / ms * 1e3, "flops": flops,
+    timing = spread_ms(time_step(runner, prefill_step(runner, prompt_len), repeats, warmup))
+    ms, flops = timing["ms"], prefill_flops(runner.runtime.spec, prompt_len)
+    return {"prompt_len": prompt_len, **timing, "tokens_per_s": prompt_len / ms * 1e3, "flops": flops,
             "flops_per_s": flops / ms * 1e3, "repeats": repeats}
 
 
-def decode_point(runner: ModelRunner, batch: int, context: int, steps: int, weight_bytes: int,
+def interleaved_seconds(runner: ModelRunner, steps: dict, count: int, rounds: int = SWEEP_ROUNDS) -> dict:
+    """Seconds per call of each StepInput in `steps` ({key: step}), `count` calls each, timed in
+    `rounds` passes over all of them (a warm-up call per step in the first pass only)."""
+    rounds = max(1, min(rounds, count))
+    seconds = {key: [] for key in steps}
+    for r in range(rounds):
+        calls = count // rounds + (r < count % rounds)
+        for key, step in steps.items():
+            seconds[key] += time_step(runner, step, calls, warmup=1 if r == 0 else 0)
+    return seconds
+
+
+def decode_point(runner: ModelRunner, step: StepInput, seconds: list[float], weight_bytes: int,
                  copy_bytes_per_s: float, kv_per_token: int) -> dict:
-    """Latency of one decode step of `batch` sequences at `context`, with its roofline figures."""
-    ms = median_ms(time_step(runner, decode_step(runner, batch, context), steps))
-    spec: ModelSpec = runner.runtime.spec
+    """One decode step of its batch at its context, from its timings, with its roofline figures."""
+    batch, context = len(step.context_lens), int(step.context_lens[0])
+    timing = spread_ms(seconds)
+    ms, spec = timing["ms"], runner.runtime.spec
     kv_read = batch * context * kv_per_token
-    return {"batch": batch, "context": context, "ms": ms, "tokens_per_s": batch / ms * 1e3,
+    return {"batch": batch, "context": context, **timing, "tokens_per_s": batch / ms * 1e3,
             "weight_bytes": weight_bytes, "weight_bytes_per_s": weight_bytes / ms * 1e3,
             "bandwidth_share": weight_bytes / ms * 1e3 / copy_bytes_per_s,
             "kv_bytes_read": kv_read, "total_bytes_per_s": (weight_bytes + kv_read) / ms * 1e3,
             "flops": decode_flops(spec, batch, context), "flops_per_s": decode_flops(spec, batch, context) / ms * 1e3,
-            "steps": steps}
+            "steps": len(seconds)}
 
 
 def roofline(point: dict, copy: dict) -> dict:

@@ -58,22 +58,30 @@ def machine_table(report: dict) -> TableData:
     return t
 
 
+def spread(point: dict, spec: str) -> str:
+    """A point's fastest-slowest timing ("-" in reports written before they kept it)."""
+    return f"{point['ms_min']:{spec}}-{point['ms_max']:{spec}}" if "ms_min" in point else "-"
+
+
 def prefill_table(s: dict) -> TableData:
     t = TableData("prefill", f"{s['source']}: prefill (one sequence, one step)",
-                  ["prompt tokens", "ms", "tok/s", "GFLOP", "GFLOP/s"])
-    t.rows = [[str(p["prompt_len"]), f"{p['ms']:.1f}", f"{p['tokens_per_s']:.0f}", f"{p['flops'] / 1e9:.1f}",
-               f"{p['flops_per_s'] / 1e9:.1f}"] for p in s["prefill"]]
+                  ["prompt tokens", "ms", "min-max ms", "tok/s", "GFLOP", "GFLOP/s"])
+    t.rows = [[str(p["prompt_len"]), f"{p['ms']:.1f}", spread(p, ".1f"), f"{p['tokens_per_s']:.0f}",
+               f"{p['flops'] / 1e9:.1f}", f"{p['flops_per_s'] / 1e9:.1f}"] for p in s["prefill"]]
+    t.note = "ms: median of the timings, min-max: their spread"
     return t
 
 
 def decode_table(s: dict) -> TableData:
-    t = TableData("decode", f"{s['source']}: decode step", ["batch", "context", "ms/step", "tok/s", "weights GB/s",
-                                                            "bandwidth share", "KV read", "GFLOP/s"])
+    t = TableData("decode", f"{s['source']}: decode step", ["batch", "context", "ms/step", "min-max ms", "tok/s",
+                                                            "weights GB/s", "bandwidth share", "KV read", "GFLOP/s"])
     for p in s["decode"] + s["decode_context"]:
-        t.rows.append([str(p["batch"]), str(p["context"]), f"{p['ms']:.2f}", f"{p['tokens_per_s']:.1f}",
-                       f"{p['weight_bytes_per_s'] / 1e9:.2f}", f"{p['bandwidth_share']:.1%}",
-                       human_bytes(p["kv_bytes_read"]), f"{p['flops_per_s'] / 1e9:.1f}"])
-    t.note = "; ".join([f"weight bytes per step {s['weights']['total']:,}", *s["skipped"]])
+        t.rows.append([str(p["batch"]), str(p["context"]), f"{p['ms']:.2f}", spread(p, ".2f"),
+                       f"{p['tokens_per_s']:.1f}", f"{p['weight_bytes_per_s'] / 1e9:.2f}",
+                       f"{p['bandwidth_share']:.1%}", human_bytes(p["kv_bytes_read"]), f"{p['flops_per_s'] / 1e9:.1f}"])
+    problems = s["capacity"].get("sweep_problems") or []
+    flag = ["NOT MONOTONE beyond its noise: " + "; ".join(problems)] if problems else []
+    t.note = "; ".join([*flag, f"weight bytes per step {s['weights']['total']:,}", *s["skipped"]])
     return t
 
 
@@ -113,10 +121,15 @@ def breakdown_table(s: dict, which: str, per_layer: bool) -> TableData:
     t.rows += [["sum of parts", f"{b['sum_ms']:.2f}", ""], ["measured step (no hooks)", f"{b['step_ms']:.2f}", ""],
                ["unattributed", f"{b['unattributed_ms']:.2f}", f"{b['unattributed_ms'] / b['step_ms']:.1%}"],
                ["sum / step", f"{b['ratio']:.3f}", ""]]
+    notes = []
+    if "hook_overhead_ms" in b:  # reports written before it took each part's median, which need not add up
+        t.rows.append(["step with hooks", f"{b['hooked_step_ms']:.2f}", ""])
+        notes.append("parts: their share of the hooked steps they were timed in, in ms of the step without hooks")
     if "fused_step_ms" in b:
         t.rows.append(["step as served", f"{b['fused_step_ms']:.2f}", ""])
-        t.note = "hooks see the per-layer path; as served, a CPU decode step of few sequences runs every layer " \
-                 "in one native call (same kernels, same order)"
+        notes.append("hooks see the per-layer path; as served, a CPU decode step of few sequences runs every layer "
+                     "in one native call (same kernels, same order)")
+    t.note = "; ".join(filter(None, [b.get("note"), *notes]))
     return t
 
 
@@ -150,8 +163,10 @@ def capacity_table(s: dict) -> TableData:
               for r in c["tradeoff"]]
     rec = c["recommended_max_num_seqs"]
     target = f" for TPOT <= {c['target_tpot_ms']:g} ms" if c["target_tpot_ms"] else ""
+    problems = c.get("sweep_problems") or []
     t.note = (f"{c['max_num_seqs_fit']} sequences fit ({human_bytes(c['kv_bytes_per_seq'])} of KV each); "
-              f"recommended --max-num-seqs{target}: {rec if rec is not None else 'none'} ({c['reason']})")
+              f"recommended --max-num-seqs{target}: {rec if rec is not None else 'none'} ({c['reason']})"
+              + "".join(f"; {p}" for p in problems))
     return t
 
 

@@ -6,6 +6,7 @@ from llmopt.stages.errors import ConfigError
 from llmopt.stages.profile.capacity import PlanInputs, plan_capacity, recommend
 from llmopt.stages.profile.config import ProfileConfig
 from llmopt.stages.profile.plan import plan_sweep
+from llmopt.stages.profile.tables import capacity_table
 from llmopt.stages.serve.model import spec_from_config
 
 MIB = 1 << 20
@@ -61,3 +62,33 @@ def test_sweep_plan_skips_what_does_not_fit_and_says_so():
     assert any("prompt length 512" in s for s in plan.skipped) and any("batch 64" in s for s in plan.skipped)
     with pytest.raises(ConfigError, match="KV cache"):
         plan_sweep(config, spec, torch.float32, free_bytes=per_block)
+
+
+# The noisy sweep of issue 27: batch 4 took 2,143 ms per step, batch 16 1,105 ms.
+NOISY = ((1, 400.0), (4, 2143.0), (16, 1105.0))
+
+
+def test_a_sweep_that_drops_beyond_its_noise_is_flagged_and_recommends_nothing():
+    spread = ((1, 390.0, 420.0), (4, 2100.0, 2200.0), (16, 1090.0, 1130.0))
+    for target in (None, 5000.0):
+        plan = plan_capacity(_inputs(decode=NOISY, decode_spread=spread, target_tpot_ms=target))
+        assert plan["recommended_max_num_seqs"] is None and not plan["monotone"]
+        assert "not monotone" in plan["reason"]
+        assert plan["sweep_problems"] == ["batch 4 (2,100.00 ms at its fastest) is slower than batch 16 "
+                                          "(1,130.00 ms at its slowest)"]
+        assert [(r["measured_ms_min"], r["measured_ms_max"]) for r in plan["tradeoff"]] == [s[1:] for s in spread]
+        note = capacity_table({"source": "m", "capacity": plan}).note
+        assert "--max-num-seqs" in note and "none" in note and "batch 4 (2,100.00 ms" in note
+
+
+def test_a_drop_within_the_spread_still_recommends():
+    spread = ((1, 390.0, 420.0), (4, 1000.0, 2200.0), (16, 1090.0, 1130.0))  # batch 4's fastest under 16's slowest
+    plan = plan_capacity(_inputs(decode=NOISY, decode_spread=spread))
+    assert plan["monotone"] and plan["sweep_problems"] == []
+    assert plan["recommended_max_num_seqs"] == 16
+
+
+def test_without_a_spread_each_point_is_its_own_range():
+    plan = plan_capacity(_inputs(decode=NOISY))
+    assert plan["recommended_max_num_seqs"] is None and len(plan["sweep_problems"]) == 1
+    assert plan_capacity(_inputs())["monotone"]

@@ -20,6 +20,9 @@ def test_every_configured_point_is_measured_or_skipped_with_a_reason(report):
         assert [p["batch"] for p in s["decode"]] == [1, 2, 16]
         assert [p["context"] for p in s["decode_context"]] == [8, 64]
         assert all(p["ms"] > 0 for p in s["prefill"] + s["decode"] + s["decode_context"])
+        for p in s["prefill"] + s["decode"] + s["decode_context"]:  # every point's spread beside its median
+            assert p["ms_min"] <= p["ms_median"] == p["ms"] <= p["ms_max"]
+        assert all(p["steps"] == TINY.decode_steps for p in s["decode"] + s["decode_context"])
     json.dumps(report)  # JSON-able as returned
 
 
@@ -50,6 +53,7 @@ def test_per_layer_breakdown_covers_every_layer_and_reports_its_ratio(report):
             assert b["sum_ms"] == pytest.approx(sum(r["ms"] for r in b["rows"]))
             assert b["ratio"] == pytest.approx(b["sum_ms"] / b["step_ms"])
             assert b["unattributed_ms"] == pytest.approx(b["step_ms"] - b["sum_ms"])
+            assert 0 < b["ratio"] <= 1 and b["unattributed_ms"] >= 0 and b["note"] == ""  # disjoint hooks
             assert 0 < len(s["ops"][which]["rows"]) <= TINY.top_ops
 
 
@@ -71,6 +75,8 @@ def test_capacity_plan_uses_the_budget_and_measured_decode(report):
         assert c["kv_bytes_per_seq"] == 128 * s["memory"]["kv_bytes_per_token"]
         assert c["max_num_seqs_fit"] == max(0, c["kv_budget_bytes"] // c["kv_bytes_per_seq"])
         assert [r["measured_ms"] for r in c["tradeoff"]] == [p["ms"] for p in s["decode"]]
+        assert [r["measured_ms_max"] for r in c["tradeoff"]] == [p["ms_max"] for p in s["decode"]]
+        assert c["monotone"] == (c["sweep_problems"] == [])
         assert c["recommended_max_num_seqs"] is None or c["recommended_max_num_seqs"] <= c["max_num_seqs_fit"]
 
 
