@@ -9,6 +9,7 @@ and `num_blocks`, `block_size`, `max_model_len` (see `stages/serve/runner.py`).
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field, replace
 
 from .config import EngineConfig, SamplingParams, SpeculativeConfig
@@ -39,6 +40,24 @@ class RequestOutput:
     first_scheduled_time: float | None = None  # when it first joined the running batch (queue time)
 
 
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
+
+
+@dataclass
+class IterationTokens:
+    """Tokens per engine step (prefill chunks + decodes + drafts) as histogram counts: vLLM's
+    iteration_tokens_total. `counts[i]` steps had at most `ITERATION_TOKEN_BUCKETS[i]` tokens (the last: more)."""
+    counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
+    sum: int = 0
+
+    def observe(self, num_tokens: int) -> None:
+        self.counts[bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
+        self.sum += num_tokens
+
+    def copy(self) -> IterationTokens:
+        return IterationTokens(list(self.counts), self.sum)
+
+
 @dataclass
 class EngineStats:
     """The engine's counts at one moment (the metrics and the server's admission read them)."""
@@ -53,6 +72,7 @@ class EngineStats:
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     num_queued_prompt_tokens: int = 0  # prompt tokens of unfinished requests without an output token yet
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's counts (zero without it)
+    iteration_tokens: IterationTokens = field(default_factory=IterationTokens)
 
 
 class LLMEngine:
@@ -72,6 +92,7 @@ class LLMEngine:
         self.checker = RequestChecker(self.config, _vocab_size(runner))
         self.thread_governor = None  # CPU: set by the command (llmopt.kernels.threads.governor_for), ticked per step
         self.speculator = _speculator(self.config.speculative, proposer, getattr(runner, "max_fused_rows", None))
+        self.iteration_tokens = IterationTokens()
         prebuild = getattr(runner, "prebuild_matmuls", None)  # CPU: every matmul shape a step can produce
         if prebuild is not None:
             prebuild(self.config.max_num_batched_tokens, self.config.seqs_per_step)
@@ -114,6 +135,7 @@ class LLMEngine:
             self.thread_governor.tick()
         if self.speculator is not None:
             self.speculator.propose(batch, self.scheduler)
+        self.iteration_tokens.observe(batch.num_tokens)
         logits = self.runner.execute(build_step_input(batch, self.config.block_size))
         rows = batch.sampled_seqs  # a verify step's sequence has a row per draft, plus one
         sampled = self.sampler(logits, rows) if rows else SamplerOutput([], [])
@@ -132,7 +154,8 @@ class LLMEngine:
                            num_free_blocks=bm.num_free_blocks, kv_cache_usage=bm.usage,
                            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
                            num_preemptions=s.num_preemptions, finished=dict(s.finished_by_reason),
-                           num_queued_prompt_tokens=s.num_queued_prompt_tokens, spec=replace(s.spec_stats))
+                           num_queued_prompt_tokens=s.num_queued_prompt_tokens, spec=replace(s.spec_stats),
+                           iteration_tokens=self.iteration_tokens.copy())
 
     def generate(self, prompts: list[str] | list[list[int]],
                  params: SamplingParams | None = None) -> list[RequestOutput]:

@@ -1,84 +1,53 @@
-"""A small Prometheus text-format writer: counters, gauges and histograms with optional labels.
+"""The registry /metrics renders, through prometheus_client.
 
-Everything is updated from the server's event loop, so there is no locking; values the engine
-owns (running, waiting, cache usage, preemptions, ...) are read at scrape time instead.
+One CollectorRegistry per app (tests run several apps in one process; the global REGISTRY would
+refuse the second app's names), holding the process, platform and gc collectors beside ours.
+
+Multiprocess mode: with $PROMETHEUS_MULTIPROC_DIR set before the server starts, prometheus_client
+keeps the counters and histograms of every process that uses them in files there, and /metrics
+sums them (MultiProcessCollector). The values the engine owns are read at scrape time by the serve
+process, which owns the engine, so they are never in the files.
 """
 from __future__ import annotations
 
-import math
-from bisect import bisect_left
+import os
+
+from prometheus_client import (CONTENT_TYPE_PLAIN_0_0_4, GCCollector, PlatformCollector, ProcessCollector,
+                               disable_created_metrics, generate_latest)
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from ...errors import ConfigError
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the text format generate_latest writes
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+disable_created_metrics()  # no `_created` series beside each counter and histogram, as vLLM
 
 
-def _labels(pairs: dict[str, str]) -> str:
-    if not pairs:
-        return ""
-    inner = ",".join(f'{k}="{_escape(str(v))}"' for k, v in pairs.items())
-    return "{" + inner + "}"
+def multiprocess_dir() -> str | None:
+    """The multiprocess directory, or None when the variable is unset; a ConfigError if it is no directory."""
+    path = os.environ.get(MULTIPROC_ENV) or os.environ.get(MULTIPROC_ENV.lower())
+    if path and not os.path.isdir(path):
+        raise ConfigError(f"${MULTIPROC_ENV} is {path!r}, which is not a directory: create it (empty) "
+                          f"before starting the server, or unset the variable")
+    return path or None
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def scrape_registry(owned: CollectorRegistry, live: Collector, multiproc: str | None) -> CollectorRegistry:
+    """What /metrics renders: `owned` (our counters and histograms) or, in multiprocess mode (`multiproc`, the
+    directory), every process's values from the directory; plus `live` (read at scrape time) and the runtime
+    collectors."""
+    registry = owned
+    if multiproc is not None:
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+    registry.register(live)
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)  # registers nothing in multiprocess mode (prometheus_client's rule)
+    return registry
 
 
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value)) if not float(value).is_integer() else str(int(value))
-
-
-def header(name: str, kind: str, help_text: str) -> list[str]:
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-
-
-def sample(name: str, value: float, labels: dict[str, str] | None = None) -> str:
-    return f"{name}{_labels(labels or {})} {_number(value)}"
-
-
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]):
-        self.name, self.help = name, help_text
-        self.buckets = tuple(sorted(buckets))
-        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self) -> list[str]:
-        lines, cumulative = header(self.name, "histogram", self.help), 0
-        for bound, count in zip(self.buckets + (math.inf,), self.counts):
-            cumulative += count
-            lines.append(sample(f"{self.name}_bucket", cumulative, {"le": _number(bound)}))
-        lines += [sample(f"{self.name}_sum", self.sum), sample(f"{self.name}_count", self.count)]
-        return lines
-
-
-class Counter:
-    """A counter with an optional label: `inc(1, "stop")` for the label value "stop"."""
-
-    def __init__(self, name: str, help_text: str, label: str | None = None):
-        self.name, self.help, self.label = name, help_text, label
-        self.values: dict[str | None, float] = {} if label else {None: 0.0}
-
-    def inc(self, amount: float = 1.0, label_value: str | None = None) -> None:
-        self.values[label_value] = self.values.get(label_value, 0.0) + amount
-
-    def render(self) -> list[str]:
-        return header(self.name, "counter", self.help) + [
-            sample(self.name, v, {self.label: k} if self.label else None) for k, v in sorted(
-                self.values.items(), key=lambda kv: str(kv[0]))]
-
-
-def gauge(name: str, help_text: str, value: float) -> list[str]:
-    return header(name, "gauge", help_text) + [sample(name, value)]
-
-
-def counter_snapshot(name: str, help_text: str, values: dict[str, float] | float,
-                     label: str | None = None) -> list[str]:
-    """A counter whose value is owned elsewhere (the engine) and read at scrape time."""
-    if label is None:
-        return header(name, "counter", help_text) + [sample(name, values)]
-    return header(name, "counter", help_text) + [sample(name, v, {label: k}) for k, v in sorted(values.items())]
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

@@ -4,9 +4,10 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from .common import ERROR_RESPONSES, check_model, server_state
+from .prometheus import CONTENT_TYPE
 
 router = APIRouter()
 STARTED = int(time.time())
@@ -47,9 +48,7 @@ async def health(request: Request):
     return JSONResponse({"status": status}, status_code=503)
 
 
-@router.get("/metrics", response_class=PlainTextResponse)
+@router.get("/metrics", response_class=PlainTextResponse)  # for the OpenAPI schema: text
 async def metrics(request: Request):
-    """Prometheus text format; names prefixed `llmopt:`."""
-    state = server_state(request)
-    text = state.metrics.render(state.stats(), state.rejected(), state.healthy)
-    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+    """Prometheus text format by prometheus_client; our names prefixed `llmopt:`, each with a `model_name` label."""
+    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)

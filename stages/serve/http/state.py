@@ -8,7 +8,7 @@ from ..engine.async_engine import AsyncEngine
 from .admission import Admission
 from .config import ServerConfig
 from .errors import APIError, engine_dead
-from .metrics import ServerMetrics
+from .metrics import Scrape, ServerMetrics
 
 log = logging.getLogger("llmopt.serve")
 
@@ -18,7 +18,7 @@ class ServerState:
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(config.served_model_name, self.scrape)
         self.engine: AsyncEngine | None = None
         self.admission: Admission | None = None
         self.load_error: BaseException | None = None
@@ -27,12 +27,14 @@ class ServerState:
         self.loader = None  # the thread loading the model, when the app loads it
         self.in_flight: set = set()  # the Generations submitted and not yet closed
         self.refused: Counter[str] = Counter()  # 503s given before admission (draining, too many connections)
+        self.cache_config: dict[str, str] = {}  # cache_config_info's labels, once loaded
         self.startup = None  # the process's StartupReport when the app loads the model (serve/startup.py)
 
     def attach(self, llm_engine) -> None:
         """Serve `llm_engine` (an LLMEngine): start its loop thread and open the API."""
         engine = AsyncEngine(llm_engine)
         self.admission = Admission(self.config, engine)
+        self.cache_config = self._cache_config(llm_engine)
         self.engine = engine
 
     @property
@@ -67,6 +69,18 @@ class ServerState:
 
     def stats(self):
         return self.engine.stats() if self.engine is not None else None
+
+    def scrape(self) -> Scrape:
+        """What /metrics reads beside the HTTP side's own series."""
+        return Scrape(self.stats(), self.rejected(), self.healthy, self.cache_config)
+
+    @staticmethod
+    def _cache_config(llm_engine) -> dict[str, str]:
+        """The KV cache's settings (vLLM's cache_config_info labels where they mean the same)."""
+        config, dtype = llm_engine.config, getattr(llm_engine.runner, "kv_dtype", None)
+        return {"block_size": str(config.block_size), "num_blocks": str(config.num_blocks),
+                "cache_dtype": str(dtype).removeprefix("torch.") if dtype is not None else "auto",
+                "enable_prefix_caching": str(config.enable_prefix_caching)}
 
     def rejected(self) -> Counter[str]:
         """Every 503 refusal by its code, admission's and the server's own."""

@@ -193,14 +193,16 @@ def test_speculative_options_parse_ours_and_vllms():
 def test_metrics_show_the_spec_decode_counts_under_vllms_names():
     from llmopt.stages.serve.engine.engine import EngineStats
     from llmopt.stages.serve.engine.speculative import SpecStats
-    from llmopt.stages.serve.http.metrics import ServerMetrics
+    from llmopt.stages.serve.http.metrics import Scrape, ServerMetrics
 
     stats = EngineStats(0, 0, 10, 10, 0.0, 0, 0, 0)
-    assert "spec_decode" not in ServerMetrics().render(stats, {}, True)
+    metrics = ServerMetrics("m", lambda: Scrape(stats, {}, True))
+    assert b"spec_decode" not in metrics.render()
     stats.spec = SpecStats(num_drafts=3, num_draft_tokens=10, num_accepted_tokens=7)
-    text = ServerMetrics().render(stats, {}, True)
-    assert "llmopt:spec_decode_num_draft_tokens_total 10" in text
-    assert "llmopt:spec_decode_num_accepted_tokens_total 7" in text and "spec_decode_num_drafts_total 3" in text
+    text = metrics.render().decode()
+    assert 'llmopt:spec_decode_num_draft_tokens_total{model_name="m"} 10.0' in text
+    assert 'llmopt:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0' in text
+    assert 'llmopt:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
     assert stats.spec.acceptance_rate == 0.7 and stats.spec.mean_accepted_length == 1 + 7 / 3
 
 

@@ -10,6 +10,7 @@ import time
 
 import httpx
 
+from .prom_text import value
 from .serve_process import serve_process
 
 GRACE_S, TIMEOUT_S = 1.0, 1.0
@@ -45,8 +46,7 @@ class Stream(threading.Thread):
 def running_sequences(server) -> int:
     with server.client() as client:
         text = client.get("/metrics").text
-    return int(float(next(line for line in text.splitlines() if line.startswith("llmopt:num_requests_running ")
-                          ).split()[1]))
+    return int(value(text, "llmopt:num_requests_running"))
 
 
 def fresh_get(server, path: str) -> httpx.Response:

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from .conftest import make_engine, running, serve
+from .prom_text import value
 
 LONG = {"prompt": "the quick brown fox", "max_tokens": 100, "ignore_eos": True, "temperature": 0}
 
@@ -94,7 +95,7 @@ def test_a_flood_past_the_queue_bound_gets_503_while_admitted_requests_complete(
         with small.client() as client:
             assert client.post("/v1/completions", json=body).status_code == 200
             metrics = client.get("/metrics").text
-        assert 'llmopt:requests_rejected_total{reason="queue_full"} 8' in metrics
+        assert value(metrics, "llmopt:requests_rejected_total", reason="queue_full") == 8
 
 
 def test_a_token_bound_refuses_a_second_long_prompt(model_dir):
@@ -151,7 +152,7 @@ def test_health_is_503_while_loading_and_after_a_failed_load(model_dir):
         assert client.get("/health").json() == {"status": "loading"} and client.get("/health").status_code == 503
         busy = client.post("/v1/completions", json={"prompt": "x"})
         assert busy.status_code == 503 and busy.json()["error"]["code"] == "loading" and "retry-after" in busy.headers
-        assert "llmopt:server_ready 0" in client.get("/metrics").text
+        assert value(client.get("/metrics").text, "llmopt:server_ready") == 0
         release.set()
         wait_until(lambda: client.get("/health").status_code == 200)
 
@@ -177,40 +178,9 @@ def test_a_dead_engine_turns_health_and_requests_to_503(model_dir):
         assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 503
 
 
-def test_metrics_are_prometheus_text_with_every_llmopt_series(server):
-    with server.client() as client:
-        client.post("/v1/completions", json={"prompt": "the quick", "max_tokens": 3, "ignore_eos": True})
-        response = client.get("/metrics")
-    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain; version=0.0.4")
-    text = response.text
-    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-                 "request_queue_time_seconds", "request_prompt_tokens", "request_generation_tokens"):
-        assert f"# TYPE llmopt:{name} histogram" in text and f'llmopt:{name}_bucket{{le="+Inf"}}' in text
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio"):
-        assert f"# TYPE llmopt:{name} gauge" in text
-    for name in ("prompt_tokens_total", "generation_tokens_total", "request_finished_total", "num_preemptions_total",
-                 "prefix_cache_queries_total", "prefix_cache_hits_total"):
-        assert f"# TYPE llmopt:{name} counter" in text
-    assert 'llmopt:request_finished_total{finished_reason="length"}' in text
-    count = next(line for line in text.splitlines() if line.startswith("llmopt:time_to_first_token_seconds_count"))
-    assert int(count.split()[1]) >= 1
-
-
 def test_access_log_has_a_request_id(server, caplog):
     with caplog.at_level("INFO", logger="llmopt.access"), server.client() as client:
         response = client.get("/health", headers={"X-Request-Id": "abc-123"})
         other = client.get("/health")
     assert response.headers["x-request-id"] == "abc-123" and len(other.headers["x-request-id"]) == 32
     assert any("abc-123" in r.getMessage() and "/health" in r.getMessage() for r in caplog.records)
-
-
-def test_the_grafana_dashboard_plots_exactly_the_exported_series(server):
-    import re
-    from pathlib import Path
-
-    dashboard = Path(__file__).parents[4] / "deploy/grafana/llmopt.json"
-    exprs = [t["expr"] for p in json.loads(dashboard.read_text())["panels"] for t in p["targets"]]
-    plotted = {re.sub(r"_bucket$", "", n) for e in exprs for n in re.findall(r"llmopt:[a-z_]+", e)}
-    with server.client() as client:
-        exported = set(re.findall(r"^# TYPE (llmopt:[a-z_]+)", client.get("/metrics").text, re.M))
-    assert plotted == exported

@@ -4,6 +4,7 @@ import json
 from llmopt.stages.serve.engine.config import SpeculativeConfig
 
 from .conftest import serve
+from .prom_text import value
 
 BODY = {"model": "tiny", "prompt": "twelve twelve twelve twelve", "max_tokens": 30, "temperature": 0,
         "ignore_eos": True}
@@ -22,5 +23,4 @@ def test_speculative_server_answers_as_a_plain_one_and_counts_drafts(model_dir):
         assert client.post("/v1/completions", json=BODY).json()["choices"][0]["text"] == expected
         assert _streamed_text(client) == expected
         metrics = client.get("/metrics").text
-    accepted = next(line for line in metrics.splitlines() if line.startswith("llmopt:spec_decode_num_accepted"))
-    assert int(float(accepted.split()[-1])) > 0
+    assert value(metrics, "llmopt:spec_decode_num_accepted_tokens_total", model_name="tiny") > 0
