@@ -39,7 +39,8 @@ def share_note(plan: dict, total: float) -> str:
     copies = [str(r["rank"]) for r in plan["ranks"] if len(r["kv_heads"]) > len(set(r["kv_heads"]))]
     why = ["the norms are replicated on every rank"]
     if shared:
-        why.append(f"KV heads {','.join(map(str, shared))} are replicated on the ranks that read them")
+        heads = f"KV head {shared[0]} is" if len(shared) == 1 else f"KV heads {','.join(map(str, shared))} are"
+        why.append(f"{heads} replicated on the ranks that read them")
     if copies:
         ranks = f"rank {copies[0]} holds" if len(copies) == 1 else f"ranks {','.join(copies)} hold"
         why.append(f"{ranks} a copy of a KV head per query head (their query heads fall unevenly on KV heads)")

@@ -17,7 +17,7 @@ def test_kv_heads_are_shown_as_a_set():
 def test_share_note_names_what_is_replicated():
     note = share_note(make_plan(CONFIG, 2), 1.044)
     assert note.startswith("shares add up to 104.4%: the norms are replicated on every rank")
-    assert "KV heads 1 are replicated" in note and "ranks 0,1 hold a copy of a KV head per query head" in note
+    assert "KV head 1 is replicated" in note and "ranks 0,1 hold a copy of a KV head per query head" in note
     mha = make_plan(dict(CONFIG, num_key_value_heads=9), 3)  # no KV head read by two ranks
     assert share_note(mha, 1.01) == "shares add up to 101.0%: the norms are replicated on every rank"
 
