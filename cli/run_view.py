@@ -124,14 +124,7 @@ def render_summary(summary: dict) -> None:
     notes.update(summary["notes"])
     table.caption = "\n".join(sorted(notes)) or None
     table.caption_justify = "left"
-    _wide().print(table)
-
-
-def _wide():
-    """stdout; when it is a file or pipe (logs, CI), 140 columns instead of rich's 80."""
-    from rich.console import Console
-
-    return out if out.is_terminal else Console(width=140)
+    out.print(table)  # in a log, at its natural width (ui.out)
 
 
 def _num(value, fmt: str, unit: str = "") -> str:
