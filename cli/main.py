@@ -5,9 +5,12 @@ command or an unknown one build every command, so they read exactly as the full 
 from __future__ import annotations
 
 import importlib
+import os
+import select
 import signal
 import sys
 import threading
+from importlib.metadata import PackageNotFoundError, version
 
 from llmopt.kernels.threads import choose_wait_policy
 
@@ -39,13 +42,42 @@ BENCH_HELP = ("Load-test an OpenAI-compatible server: throughput, TTFT, TPOT, IT
               "--offline, the engine in this process against transformers.")
 BENCH_SHORT_HELP = "Load-test an OpenAI-compatible server (or the engine offline); `bench compare` gates regressions."
 ROOT_OPTIONS = ("--debug",)  # the root's options that take no value: what may stand before the command's name
+# The environment variables llmopt reads, listed by `llmopt --help` (tests/cli check that none is missing).
+ENVIRONMENT = (
+    ("LLMOPT_CACHE_DIR", "Caches: imported models, verified hashes, built CPU kernels (default ~/.cache/llmopt)."),
+    ("LLMOPT_DATA_DIR", "Folder of the built-in data sets for --calib and eval (default ../shared/data)."),
+    ("LLMOPT_API_KEY", "Bearer token that serve requires and bench sends (as --api-key)."),
+    ("LLAMA_SERVER", "The llama-server binary for bench --engine llama-server (default: the one on PATH)."),
+)
+HELP_WIDTH = 120  # columns of --help when stdout is not a terminal and neither COLUMNS nor TERMINAL_WIDTH says
+
+
+def _epilog() -> str:
+    # typer's rich help keeps lines that start with a backspace paragraph as they are
+    lines = "\n".join(f"  {name:<17} {text}" for name, text in ENVIRONMENT)
+    return f"\b\nEnvironment:\n{lines}"
+
+
+def _version() -> str:
+    try:
+        return version("llmopt")
+    except PackageNotFoundError:  # run from a checkout that pip never installed
+        return "unknown (not installed)"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"llmopt {_version()}")
+        raise typer.Exit()
 
 
 def _run(module: str):
     return importlib.import_module(f"{__package__}.{module}").run
 
 
-def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors.")) -> None:
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
+          _: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True, expose_value=False,
+                                 help="Print the version and exit.")) -> None:
     """llmopt: prune, quantize, shard, profile, serve and bench causal LMs."""
 
 
@@ -57,7 +89,7 @@ def build_app(argv: list[str] | None = None) -> typer.Typer:
     """The `llmopt` app with the one command argv names (and, for `bench NAME`, that subcommand only);
     every command when argv is None or names none (help, no command, an unknown one)."""
     name, rest = _command_in(argv)
-    app = typer.Typer(name="llmopt", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    app = typer.Typer(name="llmopt", no_args_is_help=True, pretty_exceptions_enable=False, epilog=_epilog(),
                       help="Compress-then-serve toolchain for causal language models.")
     app.callback()(_root)
     for command, module, text in COMMANDS:
@@ -108,17 +140,89 @@ def _terminate(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _plain_flags(command) -> None:
+    """No `<bool>` placeholder beside a flag in --help (typer shows one; flags take no value)."""
+    for param in [*command.params, command.get_help_option(typer.Context(command))]:
+        if param is not None and getattr(param, "is_flag", False):
+            param.metavar = ""
+    for sub in getattr(command, "commands", {}).values():
+        _plain_flags(sub)
+
+
+def _help_width() -> None:
+    """Piped help (`llmopt serve --help | less`) is as wide as HELP_WIDTH, not rich's 80 columns that cut text."""
+    if not sys.stdout.isatty() and not (os.environ.get("COLUMNS") or os.environ.get("TERMINAL_WIDTH")):
+        from typer import rich_utils
+
+        rich_utils.MAX_WIDTH = HELP_WIDTH
+
+
+def _reader_left() -> bool:
+    """Whether stdout is a pipe whose reader has exited (`llmopt bench --help | head -3`), not some other
+    broken pipe (a socket the command writes to)."""
+    if not hasattr(select, "poll"):
+        return True
+    poll = select.poll()
+    try:
+        poll.register(sys.stdout.fileno(), 0)
+    except (AttributeError, OSError, ValueError):  # stdout replaced or closed
+        return True
+    return any(events & select.POLLERR for _, events in poll.poll(0))
+
+
+def _closed_pipe_exit(e: SystemExit) -> bool:
+    """Whether this exit is rich's or click's answer to a reader that left stdout's pipe."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not None and tb.tb_frame.f_code.co_name == "on_broken_pipe":  # rich's Console, stdout already on /dev/null
+        return True
+    return type(sys.stdout).__name__ == "PacifyFlushWrapper" and _reader_left()
+
+
+def _quiet_after_pipe() -> int:
+    # Like cat or ls: the reader has all it wanted. Stdout goes to /dev/null so the exit's flush is silent.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # stdout replaced by one without a descriptor
+        pass
+    finally:
+        os.close(devnull)
+    return 0
+
+
+def _invoke(argv: list[str]) -> int:
+    if not argv or "--help" in argv:
+        _help_width()
+    command = typer.main.get_command(build_app(argv))
+    _plain_flags(command)
+    try:
+        result = command.main(args=argv or ["--help"], prog_name="llmopt", standalone_mode=False)
+    except SystemExit as e:  # rich and typer's click exit 1 when a write meets a closed pipe
+        if e.code == 1 and _closed_pipe_exit(e):
+            return _quiet_after_pipe()
+        raise
+    if result == 130:  # typer's click turns Ctrl-C / SIGTERM into a silent exit code 130
+        return _fail("interrupted", 130)
+    sys.stdout.flush()  # buffered output meets a closed pipe here, not at the interpreter's exit
+    return result if isinstance(result, int) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`llmopt ARGV`; `llmopt` alone prints the help and exits 0."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
     debug = "--debug" in argv
     try:  # the command's module imports here: a Ctrl-C in it is one more interrupt
-        command = typer.main.get_command(build_app(argv))
-        result = command.main(args=argv, prog_name="llmopt", standalone_mode=False)
-        if result == 130:  # typer's click turns Ctrl-C / SIGTERM into a silent exit code 130
-            return _fail("interrupted", 130)
-        return result if isinstance(result, int) else 0
+        return _invoke(argv)
+    except BrokenPipeError:
+        if _reader_left():
+            return _quiet_after_pipe()
+        if debug:
+            raise
+        return _fail("internal error: BrokenPipeError (rerun with --debug for the traceback)", 1)
     except TyperException as e:  # typer's own click: usage errors and aborts
         if type(e).__name__ == "Abort":
             return _fail("interrupted", 130)

@@ -37,10 +37,12 @@ class LinearScheme:
         return INT if self.activations else PACKED
 
 
-def _weights_args(s: LinearScheme) -> dict:
-    return {"num_bits": s.bits, "type": "int", "symmetric": s.symmetric, "dynamic": False,
-            "strategy": "channel" if s.group_size == -1 else "group",
-            "group_size": None if s.group_size == -1 else s.group_size}
+def _weights_args(s: LinearScheme):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(num_bits=s.bits, type="int", symmetric=s.symmetric, dynamic=False,
+                            strategy="channel" if s.group_size == -1 else "group",
+                            group_size=None if s.group_size == -1 else s.group_size)
 
 
 def _targets(names: list[str], all_linears: list[str]) -> list[str]:
@@ -55,19 +57,23 @@ def _targets(names: list[str], all_linears: list[str]) -> list[str]:
     return targets
 
 
-def _config_group(targets: list[str], scheme: LinearScheme) -> dict:
+def _config_group(targets: list[str], scheme: LinearScheme):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
     act = None
     if scheme.activations:
-        act = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token",
-               "group_size": None}
-    return {"targets": targets, "weights": _weights_args(scheme), "input_activations": act,
-            "output_activations": None, "format": scheme.format}
+        act = QuantizationArgs(num_bits=8, type="int", symmetric=True, dynamic=True, strategy="token")
+    return QuantizationScheme(targets=targets, weights=_weights_args(scheme), input_activations=act,
+                              format=scheme.format)
 
 
 def build_quantization_config(schemes: dict[str, LinearScheme], all_linears: list[str],
                               embeddings: dict[str, LinearScheme] | None = None) -> dict:
     """config.json `quantization_config` for the given per-Linear schemes, and per-Embedding ones
-    (`--embeddings int8`: a group of its own, targeted by the module's name)."""
+    (`--embeddings int8`: a group of its own, targeted by the module's name): compressed-tensors' own
+    QuantizationConfig, dumped as its ModelCompressor writes it."""
+    from compressed_tensors.quantization import QuantizationConfig
+
     groups: dict[LinearScheme, list[str]] = defaultdict(list)
     for name, scheme in schemes.items():
         groups[scheme].append(name)
@@ -77,10 +83,11 @@ def build_quantization_config(schemes: dict[str, LinearScheme], all_linears: lis
         leaf = re.escape(name.rsplit(".", 1)[-1])
         config_groups[f"group_{len(config_groups)}"] = _config_group([f"re:.*{leaf}$"], scheme)
     formats = {s.format for s in groups} | {s.format for s in (embeddings or {}).values()}
-    return {"quant_method": "compressed-tensors", "format": formats.pop() if len(formats) == 1 else "mixed-precision",
-            "quantization_status": "compressed", "config_groups": config_groups,
-            "ignore": sorted(n for n in all_linears if n not in schemes), "kv_cache_scheme": None,
-            "sparsity_config": {}, "transform_config": {}, "global_compression_ratio": None}
+    config = QuantizationConfig(config_groups=config_groups, quantization_status="compressed",
+                                format=formats.pop() if len(formats) == 1 else "mixed-precision",
+                                ignore=sorted(n for n in all_linears if n not in schemes))
+    # the keys ModelCompressor.update_config adds beside the quantization config
+    return {**config.model_dump(mode="json"), "sparsity_config": {}, "transform_config": {}}
 
 
 def compress_linear(name: str, q: torch.Tensor, scale: torch.Tensor, zero_point, scheme: LinearScheme,

@@ -23,7 +23,35 @@ def test_pack_matches_compressed_tensors_bit_exact(bits, shape, dim):
     theirs = ct_pack.pack_to_int32(q, bits, packed_dim=dim)
     assert ours.dtype == torch.int32 and torch.equal(ours, theirs)
     assert torch.equal(unpack_from_int32(ours, bits, q.shape, packed_dim=dim), q)
-    assert torch.equal(ct_pack.unpack_from_int32(ours, bits, torch.Size(q.shape), packed_dim=dim), q)
+    if not (bits == 4 and dim == 0 and ours.shape[0] == 1):  # the library fails there: see the test below
+        assert torch.equal(ct_pack.unpack_from_int32(ours, bits, torch.Size(q.shape), packed_dim=dim), q)
+
+
+def test_one_word_over_the_output_dim_unpacks_where_the_library_alone_fails():
+    # compressed-tensors 0.20.1 views a [1, n] int32 transposed to [n, 1] as bytes and raises
+    q = codes((7, 576), 4)
+    packed = ct_pack.pack_to_int32(q, 4, packed_dim=0)  # [1, 576]
+    with pytest.raises(RuntimeError, match="stride"):
+        ct_pack.unpack_from_int32(packed, 4, torch.Size(q.shape), packed_dim=0)
+    assert torch.equal(unpack_zero_point(packed, 4, 7), q)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_unpacked_codes_are_contiguous(bits):
+    q = codes((11, 9), bits, seed=1)
+    for dim in (0, 1):
+        out = unpack_from_int32(pack_to_int32(q, bits, dim), bits, q.shape, dim)
+        assert out.is_contiguous() and out.dtype == torch.int8
+
+
+def test_packing_calls_compressed_tensors(monkeypatch):
+    # our module adds checks around the library's packing; it carries no second copy of it
+    calls, pack, unpack = [], ct_pack.pack_to_int32, ct_pack.unpack_from_int32
+    monkeypatch.setattr(ct_pack, "pack_to_int32", lambda *a: calls.append("pack") or pack(*a))
+    monkeypatch.setattr(ct_pack, "unpack_from_int32", lambda *a: calls.append("unpack") or unpack(*a))
+    q = codes((5, 40), 4)
+    assert torch.equal(unpack_int4_signed(pack_int4(q), 40), q)
+    assert calls == ["pack", "unpack"]
 
 
 def test_int4_layout_column_8c_plus_j_in_bits_4j():
