@@ -17,13 +17,14 @@ def run(recipe: Annotated[str, typer.Argument(help="Recipe file, or a built-in r
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and show what would run or be skipped.")] = False,
         json: Annotated[bool, typer.Option("--json", help="Print the final comparison as JSON on stdout.")] = False) -> None:
     from llmopt.recipes.runner import RecipeRunner, StageFailed
-    from llmopt.recipes.spec import load_recipe
+    from llmopt.recipes.spec import default_workdir, load_recipe
 
     spec = load_recipe(recipe)
-    workdir = workdir or Path(spec.workdir or Path("out") / spec.name)
+    workdir_from = "-o" if workdir else "the recipe's workdir:" if spec.workdir else "the default, out/<recipe name>"
+    workdir = workdir or default_workdir(spec)
     runner = RecipeRunner(spec, workdir, ConsoleView(show_results=not json))
     if dry_run:
-        render_plan(runner, runner.plan(start))
+        render_plan(runner, runner.plan(start), workdir_from)
         return
     note(f"recipe {spec.name} ({spec.path}) -> {workdir}")
     try:

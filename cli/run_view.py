@@ -15,8 +15,8 @@ class ConsoleView:
     def __init__(self, show_results: bool = True):
         self.show_results = show_results
 
-    def stage_start(self, index: int, total: int, spec, refs: list[str]) -> None:
-        err.rule(f"[bold][{index}/{total}] {spec.name}[/bold]: {command_line(spec, refs)}", align="left")
+    def stage_start(self, index: int, total: int, spec, refs: list[str], output) -> None:
+        err.rule(f"[bold][{index}/{total}] {spec.name}[/bold]: {'; '.join(commands(spec, refs, output))}", align="left")
 
     def stage_skip(self, index: int, total: int, spec, why: str) -> None:
         err.print(f"[dim][{index}/{total}] {spec.name}: skipped ({why})[/dim]")
@@ -79,32 +79,47 @@ class ConsoleView:
             yield on_result
 
 
-def render_plan(runner, plan) -> None:
+def render_plan(runner, plan, workdir_from: str) -> None:
+    """The plan as a table, then the equivalent commands one per line, never wrapped or cut: pasteable."""
     table = Table(title=f"{runner.recipe.name}: plan (dry run) -> {runner.workdir}", title_justify="left")
-    for col in ("#", "stage", "command", "output", "action"):
+    for col in ("#", "stage", "output", "action"):
         table.add_column(col)
     for i, p in enumerate(plan, 1):
-        s = p.spec
         action = "[green]skip[/green]" if p.action == "skip" else "[yellow]run[/yellow]"
-        table.add_row(str(i), s.name, command_line(s, [runner.ref(n) for n in s.inputs]), str(runner.output(s)),
-                      f"{action} ({p.why})")
+        table.add_row(str(i), p.spec.name, str(runner.output(p.spec)), f"{action} ({p.why})")
     out.print(table)
+    note(f"finished stages are looked for in {runner.workdir} ({workdir_from}; -o DIR for another)")
+    out.print("equivalent commands:", style="bold")
+    for i, p in enumerate(plan, 1):
+        for line in commands(p.spec, [runner.ref(n) for n in p.spec.inputs], runner.output(p.spec)):
+            out.print(f"{line}  # {i}. {p.spec.name}", soft_wrap=True, highlight=False, markup=False)
 
 
-def command_line(spec, refs: list[str]) -> str:
-    """The stage as the equivalent command (flags as the subcommand spells them)."""
+def commands(spec, refs: list[str], output) -> list[str]:
+    """The stage as commands a person can paste, one per model where the command reads one: what the run
+    does, flags spelled as the subcommand takes them. An artifact stage writes to `output` (--force: the
+    run replaces a stale artifact); eval and bench measure each input on its own (bench: a server each)."""
     import shlex
 
-    parts = ["llmopt", spec.kind, *refs]
+    from llmopt.stages.options import flag
+
+    options = []
     for key, value in spec.given.items():
-        flag = f"--{key.replace('_', '-')}"
-        if isinstance(value, bool):
-            parts += [flag] if value else []
+        if isinstance(value, bool):  # every stage's flag is off by default: false is no flag
+            options += [flag(key)] if value else []
         elif isinstance(value, list):
-            parts += [a for v in value for a in (flag, shlex.quote(str(v)))]
+            options += [a for v in value for a in (flag(key), str(v))]
         else:
-            parts += [flag, shlex.quote(str(value))]
-    return " ".join(parts)
+            options += [flag(key), str(value)]
+    if spec.writes_artifact:
+        runs = [[*refs, "-o", str(output), "--force"]]
+    elif spec.kind == "profile":
+        runs = [list(refs)]
+    elif spec.kind == "bench":
+        runs = [["--server", ref] for ref in refs]
+    else:
+        runs = [[ref] for ref in refs]
+    return [shlex.join(["llmopt", spec.kind, *run, *options]) for run in runs]
 
 
 def render_summary(summary: dict) -> None:

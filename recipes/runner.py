@@ -53,7 +53,7 @@ def _silent(*args) -> None:
 
 class View:
     """What the runner tells the person watching; the CLI's ConsoleView renders it. This default says
-    nothing (library use, tests). Calls: stage_start(index, total, spec, refs), stage_skip(index, total,
+    nothing (library use, tests). Calls: stage_start(index, total, spec, refs, output), stage_skip(index, total,
     spec, why), stage_done(spec, seconds), note(message), artifact(spec, art), evaluated(ref, result),
     profiled(report), benched(report)."""
 
@@ -132,6 +132,8 @@ class RecipeRunner:
         """Whether the stage's finished output for this key is on disk, and why not."""
         path = self._record_path(spec)
         if key is None:
+            if all(self._hashes.get(n) is not None for n in spec.inputs if n != SOURCE):
+                return False, "its source is not imported yet (the run imports it once, cached)"
             return False, "an input is made by this run"
         if not path.is_file():
             return False, "not run yet"
@@ -196,7 +198,7 @@ class RecipeRunner:
                     outcomes.append(Outcome(spec, "skipped", 0.0))
                     continue
             refs = [self.ref(n) for n in spec.inputs]
-            self.view.stage_start(i, total, spec, refs)
+            self.view.stage_start(i, total, spec, refs, self.output(spec))
             began = time.perf_counter()
             record = self._run_stage(spec, refs)
             seconds = time.perf_counter() - began

@@ -65,6 +65,11 @@ class Recipe:
         raise RecipeError(f"{self.path}: no stage named {name!r} (stages: {', '.join(s.name for s in self.stages)})")
 
 
+def default_workdir(recipe: Recipe) -> Path:
+    """Where `llmopt run` works without -o: the recipe's workdir:, else out/<recipe name> (make demo too)."""
+    return Path(recipe.workdir or Path("out") / recipe.name)
+
+
 def resolve_path(ref: str) -> Path:
     """A recipe file, or the name of a built-in recipe (`smollm2-w4a16-gptq`)."""
     path = Path(ref).expanduser()

@@ -1,4 +1,5 @@
-"""README.md stays short, its links resolve, and its quickstart runs: every command exits 0.
+"""README.md stays short, its links resolve, its quickstart runs (every command exits 0, in an empty
+folder with an empty import cache), and every other command it shows parses (llmopt's, make targets).
 
 The quickstart is the fenced ```bash block right under the "## Quickstart" heading. Each line is one
 `llmopt ...` command (a trailing `# comment` is dropped); a line ending in `&` starts a server in the
@@ -29,6 +30,8 @@ HEALTH_TIMEOUT_S = 300
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
+INLINE = re.compile(r"`((?:llmopt|make) [^`]+)`")
+PLACEHOLDER = re.compile(r"[A-Z][A-Z_]+|N")  # COMMAND, DIR, N: a word the reader fills in
 
 
 def quickstart_commands(text: str) -> list[list[str]]:
@@ -94,6 +97,46 @@ def test_readme_and_docs_links_resolve():
 def test_quickstart_block_is_found():
     commands = quickstart_commands(README.read_text(encoding="utf-8"))
     assert commands and all(argv[0] in ("llmopt", "kill") for argv in commands), commands
+
+
+def readme_commands(text: str) -> list[list[str]]:
+    """Every command README.md shows: each line of its ```bash blocks and each `llmopt ...` or `make ...` code
+    span in its prose. A span that only names a command (`llmopt serve`) or has a placeholder
+    (`llmopt COMMAND --help`, `--tp N`) is left out: it is not something to paste."""
+    found, in_code, lang = [], False, ""
+    for line in text.splitlines():
+        if FENCE.match(line):
+            in_code, lang = not in_code, line.strip().strip("`~")
+            continue
+        spans = [line] if in_code and lang == "bash" else [] if in_code else INLINE.findall(line)
+        for span in spans:
+            argv = shlex.split(span, comments=True)
+            if argv and argv[-1] == "&":
+                argv = argv[:-1]
+            if argv and argv[0] in ("llmopt", "make") and len(argv) > 2 - (argv[0] == "make") \
+                    and not any(PLACEHOLDER.fullmatch(a) for a in argv):
+                found.append(argv)
+    return found
+
+
+def test_every_command_in_the_readme_parses():
+    """What the quickstart test does not run still parses: llmopt accepts every command as written (nothing
+    runs), and every `make` target exists in the Makefile."""
+    from click.exceptions import Exit
+
+    from tests.cli.paste import parse_command
+
+    commands = readme_commands(README.read_text(encoding="utf-8"))
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(encoding="utf-8"), flags=re.M))
+    assert ["make", "demo"] in commands and ["llmopt", "run", "smollm2-w4a16-gptq"] in commands, commands
+    for argv in commands:
+        if argv[0] == "make":
+            assert set(argv[1:]) <= targets, f"`{shlex.join(argv)}`: no such target in the Makefile"
+            continue
+        try:
+            parse_command(argv)
+        except Exit as e:  # --help answers and exits 0
+            assert e.exit_code == 0, shlex.join(argv)
 
 
 # --- running the quickstart -------------------------------------------------------------------------
@@ -165,10 +208,11 @@ def run_one(argv: list[str], cwd: Path, env: dict, log: Path) -> None:
 
 
 @pytest.mark.integration
-def test_quickstart_runs(smollm_cache, tmp_path):
+def test_quickstart_runs(tmp_path):
+    """Every line, in order, as a new user runs them: in an empty folder, with an empty import cache."""
     port = free_port()
     commands = with_port(quickstart_commands(README.read_text(encoding="utf-8")), port)
-    env = dict(os.environ, LLMOPT_CACHE_DIR=str(smollm_cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = dict(os.environ, LLMOPT_CACHE_DIR=str(tmp_path / "cache"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     work = tmp_path / "work"
     work.mkdir()
     server, timings = None, []
