@@ -165,9 +165,9 @@ OPTIONS = Options(  # in `llmopt serve`'s order
     Option("speculative", str, None, optional=True), Option("num_speculative_tokens", int, None, optional=True),
     Option("speculative_config", str, None, optional=True),
     Option("device", str, DEFAULTS.device), dtype_option(DEFAULTS.dtype),
-    Option("tensor_parallel_size", int, DEFAULTS.tensor_parallel_size),
     Option("backend", str, DEFAULTS.backend, choices=BACKENDS),
     Option("nnodes", int, _T.nnodes), Option("node_rank", int, _T.node_rank), Option("master_addr", str, _T.master_addr),
-    Option("master_port", int, _T.master_port, optional=True), Option("threads", int, None, optional=True),
+    Option("master_port", int, _T.master_port, optional=True),
+    Option("tensor_parallel_size", int, DEFAULTS.tensor_parallel_size), Option("threads", int, None, optional=True),
 )
 ServeConfig.OPTIONS = OPTIONS
