@@ -33,10 +33,13 @@ def run(ctx: typer.Context,
         model: Annotated[Optional[str], Opt("--model", help="Model name to send (default: the first of /v1/models).")] = None,
         endpoint: Annotated[str, Opt("--endpoint", help="completions | chat")] = D.endpoint,
         api_key: Annotated[Optional[str], Opt("--api-key", envvar="LLMOPT_API_KEY", help="Bearer token (as llmopt serve --api-key).")] = None,
-        dataset: Annotated[str, Opt("--dataset", help="random | sharegpt | sharegpt:FILE | jsonl:FILE")] = D.dataset,
+        dataset: Annotated[str, Opt("--dataset", "--dataset-name", help="random | sharegpt | sharegpt:FILE | "
+                                    "jsonl:FILE (vLLM's custom)")] = D.dataset,
+        dataset_path: Annotated[Optional[str], Opt("--dataset-path", help="vLLM's spelling: the file of "
+                                                   "--dataset-name (sharegpt, grounded, custom).")] = None,
         num_prompts: Annotated[int, Opt("--num-prompts", min=1)] = D.num_prompts,
-        input_len: Annotated[int, Opt("--input-len", min=1, help="random: prompt tokens.")] = D.input_len,
-        output_len: Annotated[Optional[int], Opt("--output-len", min=1, help="max_tokens (default: the reply's length, else 128).")] = D.output_len,
+        input_len: Annotated[int, Opt("--input-len", "--random-input-len", min=1, help="random: prompt tokens.")] = D.input_len,
+        output_len: Annotated[Optional[int], Opt("--output-len", "--random-output-len", min=1, help="max_tokens (default: the reply's length, else 128).")] = D.output_len,
         tokenizer: Annotated[Optional[str], Opt("--tokenizer", help="Model source whose tokenizer counts prompt tokens.")] = D.tokenizer,
         disable_shuffle: Annotated[bool, Opt("--disable-shuffle", help="The first --num-prompts records in file order, unshuffled.")] = D.disable_shuffle,
         request_rate: Annotated[str, Opt("--request-rate", help="Requests per second, or inf (all at once).")] = D.request_rate,
@@ -48,6 +51,8 @@ def run(ctx: typer.Context,
         ignore_eos: Annotated[bool, Opt("--ignore-eos", help="Ask the server to generate exactly max_tokens.")] = D.ignore_eos,
         timeout: Annotated[float, Opt("--timeout", help="Per-request read timeout, seconds.")] = D.timeout,
         slo: Annotated[Optional[str], Opt("--slo", help="Goodput SLOs: 'ttft_ms=500,tpot_ms=50,e2e_ms=3000'.")] = D.slo,
+        goodput: Annotated[Optional[list[str]], Opt("--goodput", help="vLLM's spelling of --slo: KEY:MS with KEY "
+                                                    "ttft, tpot or e2el (repeatable).")] = None,
         fail_on: FailOn = D.fail_on,
         baseline: Annotated[str, Opt("--baseline", help="--offline: hf (transformers generate on the first source) | none.")] = OD.baseline,
         hf_batch_size: Annotated[int, Opt("--hf-batch-size", help="--offline: transformers' static batch size.")] = OD.hf_batch_size,
@@ -60,9 +65,16 @@ def run(ctx: typer.Context,
         speculative: Speculative = OD.speculative, num_speculative_tokens: NumSpeculativeTokens = OD.num_speculative_tokens,
         json: Annotated[Optional[Path], Opt("--json", help="Write the report as JSON to this file.")] = None,
         plot: Annotated[Optional[Path], Opt("--plot", help="Write latency CDFs and throughput to this PNG.")] = None,
+        save_result: Annotated[bool, Opt("--save-result", help="vLLM's spelling: write the JSON report to "
+                                         "--result-dir/--result-filename.")] = False,
+        result_dir: Annotated[Optional[Path], Opt("--result-dir", help="--save-result's folder (default: here).")] = None,
+        result_filename: Annotated[Optional[str], Opt("--result-filename", help="--save-result's file name (default: "
+                                                      "llmopt-RATEqps-MODEL-TIME.json).")] = None,
         quiet: Annotated[bool, Opt("--quiet", help="No live progress display.")] = False) -> None:
     if ctx.invoked_subcommand:
         return
+    from llmopt.stages.bench.config import goodput_as_slo
+    from llmopt.stages.bench.dataset import dataset_spec
     from llmopt.stages.bench.stage import BenchStageConfig
     from llmopt.stages.bench.run import BenchHooks, bench_source, load_bench_requests
     from llmopt.stages.errors import ConfigError
@@ -75,19 +87,24 @@ def run(ctx: typer.Context,
     if (url is None) == (server is None):
         raise ConfigError("give --url URL of a running server, or --server SOURCE to start one "
                           "(or --offline SOURCE: the engine in this process)")
+    dataset, slo = dataset_spec(dataset, dataset_path), goodput_as_slo(goodput, slo)  # vLLM's spellings
     config = BenchStageConfig.from_options(stage_options(locals(), OPTIONS)).aimed_at(url, model, api_key)
     with err.status(f"loading tokenizer {tokenizer}") if tokenizer else nullcontext():
         requests = load_bench_requests(config)
     hooks = BenchHooks(status=note, progress=lambda total: bench_view.live_progress(total, quiet))
-    raise typer.Exit(_finish(bench_source(config, requests, server, hooks), json, plot))
+    saved = (result_dir, result_filename) if save_result else None
+    raise typer.Exit(_finish(bench_source(config, requests, server, hooks), json, plot, saved))
 
 
-def _finish(outcome, json_path: Optional[Path], plot_path: Optional[Path]) -> int:
-    """Show and write the report; the exit code: 130 interrupted, 1 a --fail-on bound broken or nothing measured."""
+def _finish(outcome, json_path: Optional[Path], plot_path: Optional[Path], saved: tuple | None = None) -> int:
+    """Show and write the report (also to vLLM's --save-result path, `saved`: folder and file name); the exit
+    code: 130 interrupted, 1 a --fail-on bound broken or nothing measured."""
     from llmopt.stages.bench.plot import write_plot
-    from llmopt.stages.bench.report import write_report
+    from llmopt.stages.bench.report import result_path, write_report
 
     report = outcome.report
+    if saved is not None and json_path is None:
+        json_path = result_path(report, *saved)
     bench_view.render_report(report)
     for line in bench_view.notes(report):
         note(line)

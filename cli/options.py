@@ -41,6 +41,9 @@ NodeRank = Annotated[int, typer.Option("--node-rank", min=0, help="This machine'
 MasterAddr = Annotated[str, typer.Option("--master-addr", help="Node 0's address for the rank rendezvous.")]
 MasterPort = Annotated[Optional[int], typer.Option("--master-port", min=1, max=65535,
                                                    help="Rendezvous port (default: a free one, single node).")]
+TensorParallelSize = Annotated[int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="Ranks to serve "
+                                               "on, the source split at load time as vllm serve -tp does (llmopt "
+                                               "shard --tp N keeps the split for reuse).")]
 
 
 Speculative = Annotated[Optional[str], typer.Option(

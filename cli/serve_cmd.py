@@ -1,6 +1,7 @@
 """llmopt serve SOURCE: the OpenAI-compatible HTTP server (see stages/serve/http)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -8,14 +9,17 @@ import typer
 from llmopt.stages.serve.config import DEFAULTS, OPTIONS, ServeConfig
 
 from .options import (Backend, BackendOpt, DType, DTypeOpt, MasterAddr, MasterPort, NNodes, NodeRank,
-                      NumSpeculativeTokens, Source, Speculative, SpeculativeJson, Threads, stage_options)
+                      NumSpeculativeTokens, Source, Speculative, SpeculativeJson, TensorParallelSize, Threads,
+                      stage_options)
 
 Opt = typer.Option
 E, S, T = DEFAULTS.engine, DEFAULTS.server, DEFAULTS.tp  # every default below is read from ServeConfig
 O = OPTIONS.defaults  # those of options that are no config field (--api-key-file)
 
 
-def run(source: Source,
+def run(ctx: typer.Context, source: Source,
+        config: Annotated[Optional[Path], Opt("--config", help="YAML file of options, as vllm serve --config: "
+                                              "long option names as keys; the command line wins.")] = None,
         host: Annotated[str, Opt("--host", help="Address to bind (loopback unless you open it).")] = S.host,
         port: Annotated[int, Opt("--port", min=0, max=65535)] = S.port,
         api_key: Annotated[Optional[str], Opt("--api-key", envvar="LLMOPT_API_KEY", help="Require "
@@ -46,6 +50,10 @@ def run(source: Source,
         block_size: Annotated[int, Opt("--block-size", min=1)] = E.block_size,
         kv_cache_memory: Annotated[Optional[str], Opt("--kv-cache-memory", help="Bytes (4GiB) or a fraction "
                                                       "of free memory (0.5).")] = E.kv_cache_memory,
+        gpu_memory_utilization: Annotated[Optional[float], Opt("--gpu-memory-utilization", min=0.0, max=1.0, help=
+                                                               "vLLM's sizing: the share of the device's memory "
+                                                               "this process may use, weights included; the KV "
+                                                               "cache gets the rest.")] = E.gpu_memory_utilization,
         max_num_seqs: Annotated[int, Opt("--max-num-seqs", min=1)] = E.max_num_seqs,
         max_num_batched_tokens: Annotated[int, Opt("--max-num-batched-tokens", min=1)] = E.max_num_batched_tokens,
         max_model_len: Annotated[Optional[int], Opt("--max-model-len", min=1)] = E.max_model_len,
@@ -58,7 +66,9 @@ def run(source: Source,
         device: Annotated[str, Opt("--device", help="cpu | cuda")] = DEFAULTS.device,
         dtype: DTypeOpt = DType(DEFAULTS.dtype), backend: BackendOpt = Backend(DEFAULTS.backend),
         nnodes: NNodes = T.nnodes, node_rank: NodeRank = T.node_rank, master_addr: MasterAddr = T.master_addr,
-        master_port: MasterPort = T.master_port, threads: Threads = DEFAULTS.threads) -> None:
+        master_port: MasterPort = T.master_port,
+        tensor_parallel_size: TensorParallelSize = DEFAULTS.tensor_parallel_size,
+        threads: Threads = DEFAULTS.threads) -> None:
     import gc
 
     args = {name: value for name, value in locals().items() if name != "gc"}
@@ -88,18 +98,22 @@ def _serve(args: dict, collecting: bool) -> None:
 
     startup = StartupReport()
     source = args["source"]
-    options = stage_options(args, ServeConfig.options())
-    config = ServeConfig.from_options(options | {"served_model_name": args["served_model_name"] or source})
+    options = _with_config_file(args, stage_options(args, ServeConfig.options()))
+    config = ServeConfig.from_options(options | {"served_model_name": options["served_model_name"] or source})
     resolve(source)  # a wrong path or alias fails now, before the port is bound
     torch_dtype = parse_dtype(config.dtype)
     count = apply_threads(usable_cpus(config.threads))  # before the model's first parallel region
     if config.tp.node_rank > 0:  # this machine only runs its ranks of a sharded artifact; node 0 serves
-        raise typer.Exit(run_worker_node(source, config.tp, config.device, torch_dtype, config.backend))
+        from llmopt.stages.serve.tp.at_load import artifact_for_tp
+
+        art = artifact_for_tp(source, config.tensor_parallel_size)
+        raise typer.Exit(run_worker_node(art.path if art else source, config.tp, config.device, torch_dtype,
+                                         config.backend))
     log = logging.getLogger("llmopt.serve")
 
     def load():  # in the server's loader thread, once the port is bound (/health: 503 until it returns)
         engine = build_engine(source, config.engine, config.device, torch_dtype, config.backend, tp_options=config.tp,
-                              startup=startup, defer_warmup=True)
+                              startup=startup, defer_warmup=True, tensor_parallel_size=config.tensor_parallel_size)
         if config.device == "cpu":
             engine.thread_governor = governor_for(count, on_change=lambda n, others: log.info(
                 "threads: %d, as other processes keep %.1f of our CPUs busy", n, others))
@@ -118,3 +132,14 @@ def _serve(args: dict, collecting: bool) -> None:
     startup.mark("imports")
     serve(config.server, load, startup=startup)
 
+
+def _with_config_file(args: dict, options: dict) -> dict:
+    """The options with --config FILE's values for those the command line (or the environment) left unset."""
+    from llmopt.stages.serve.config import options_from_file
+
+    if args["config"] is None:
+        return options
+    ctx = args["ctx"]
+    from_file = options_from_file(args["config"], args["source"], ServeConfig.options())
+    return options | {name: value for name, value in from_file.items()
+                      if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") == "DEFAULT"}  # typer's own click

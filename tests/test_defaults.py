@@ -45,8 +45,10 @@ CLI_ONLY = {
     "shard": {"source", "output", "force", "json"},
     "eval": {"source", "store", "json"},
     "profile": {"sources", "json_file", "html_file", "per_layer"},
-    "bench": {"ctx", "url", "server", "offline", "model", "api_key", "json", "plot", "quiet"},
-    "serve": {"source"},
+    "bench": {"ctx", "url", "server", "offline", "model", "api_key", "json", "plot", "quiet",
+              # vLLM's spellings, folded into --dataset and --slo, and where --save-result writes
+              "dataset_path", "goodput", "save_result", "result_dir", "result_filename"},
+    "serve": {"ctx", "source", "config"},  # --config FILE: values for the other options
 }
 
 

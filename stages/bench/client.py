@@ -3,7 +3,9 @@
 Every server-sent event is stamped on arrival; an event carrying text is a token arrival. TTFT is
 the first arrival minus the send time, ITL each gap between arrivals, e2e the time the stream ends.
 Output tokens come from the server's `usage` when it reports it (we ask with
-`stream_options.include_usage`), else from the number of text events.
+`stream_options.include_usage`), else from the number of text events. A stream that ends with a
+finish reason but no text (the model stopped at once) is a completed request of 0 output tokens,
+with no TTFT; one with neither failed.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class _Stream:
     arrivals: list[float] = field(default_factory=list)
     usage: dict = field(default_factory=dict)
     error: str | None = None
+    finished: bool = False  # an event carried a finish_reason
 
 
 class Api:
@@ -73,6 +76,10 @@ class Api:
         if self.config.endpoint == "chat":
             return (choices[0].get("delta") or {}).get("content") or ""
         return choices[0].get("text") or ""
+
+    def finish_reason(self, event: dict) -> str | None:
+        choices = event.get("choices") or []
+        return choices[0].get("finish_reason") if choices and isinstance(choices[0], dict) else None
 
 
 async def send(client: httpx.AsyncClient, api: Api, request: BenchRequest, clock: Callable[[], float],
@@ -114,6 +121,8 @@ async def _read_events(response: httpx.Response, api: Api, clock: Callable[[], f
             return
         if api.text(event):
             stream.arrivals.append(now)
+        if api.finish_reason(event):
+            stream.finished = True
         if isinstance(event.get("usage"), dict):
             stream.usage = event["usage"]
 
@@ -121,11 +130,11 @@ async def _read_events(response: httpx.Response, api: Api, clock: Callable[[], f
 def _finish(result: RequestResult, stream: _Stream, start: float, end: float) -> RequestResult:
     if stream.error:
         return _fail(result, "bad response", stream.error)
-    if not stream.arrivals:
-        return _fail(result, "no tokens", "the stream ended without any text")
+    if not stream.arrivals and not stream.finished:
+        return _fail(result, "no tokens", "the stream ended without any text or finish reason")
     times = stream.arrivals
     result.ok = True
-    result.ttft = times[0] - start
+    result.ttft = times[0] - start if times else None  # no token: no time to one
     result.itl = [b - a for a, b in zip(times, times[1:])]
     result.e2e = end - start
     result.output_tokens = int(stream.usage.get("completion_tokens") or len(times))

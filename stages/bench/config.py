@@ -78,6 +78,19 @@ def parse_slo(text: str | None) -> dict[str, float]:
     return slo
 
 
+def goodput_as_slo(items: list[str] | None, slo: str | None = None) -> str | None:
+    """vLLM's --goodput KEY:MS ... (ttft, tpot, e2el; one flag per item, or several in one string) as
+    --slo's text, after `slo`'s own items: ['ttft:500', 'tpot:50'] -> 'ttft_ms=500,tpot_ms=50'."""
+    parts = [p for item in items or () for p in item.replace(",", " ").split()]
+    for part in parts:
+        key, sep, value = part.partition(":")
+        if not sep or f"{key}_ms" not in SLO_KEYS:
+            raise ConfigError(f"--goodput {part!r}: write KEY:MS with KEY one of ttft, tpot, e2el "
+                              "(e.g. --goodput ttft:500 --goodput tpot:50)")
+    text = ",".join([*_items(slo), *(f"{k}_ms={v}" for k, _, v in (p.partition(":") for p in parts))])
+    return text or None
+
+
 def normalize_url(url: str) -> str:
     """The server's base URL: scheme and host, without a trailing '/', '/v1' or endpoint path."""
     parts = urlsplit(url.strip())

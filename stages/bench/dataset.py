@@ -57,6 +57,20 @@ class DatasetConfig:
                 "shuffle": self.shuffle}
 
 
+VLLM_DATASETS = {"custom": "jsonl"}  # vLLM's --dataset-name for ours, where they differ
+
+
+def dataset_spec(name: str, path: str | None = None) -> str:
+    """--dataset (or vLLM's --dataset-name) with vLLM's --dataset-path: 'sharegpt' + 'F.json' -> 'sharegpt:F.json'."""
+    name = VLLM_DATASETS.get(name, name)
+    if path is None:
+        return name
+    if ":" in name or name == "random":
+        raise ConfigError(f"--dataset-path {path}: --dataset {name} reads no file; give --dataset-name sharegpt, "
+                          "grounded or custom (JSON lines)")
+    return f"{name}:{path}"
+
+
 def load_requests(config: DatasetConfig, tokenizer=None) -> list[BenchRequest]:
     """`num_prompts` requests, shuffled by `seed` unless `shuffle` is off (records repeat if the file holds fewer)."""
     config.validate()

@@ -63,7 +63,8 @@ def summarize(results: list[RequestResult], duration: float, slo: dict[str, floa
                "request_throughput": per_s(len(done)), "request_goodput": per_s(good) if slo else None,
                "output_throughput": per_s(total_out), "total_token_throughput": per_s(total_in + total_out),
                "goodput_completed": good}
-    samples = {"ttft": [r.ttft for r in done], "tpot": [r.tpot for r in done if r.tpot is not None],
+    samples = {"ttft": [r.ttft for r in done if r.ttft is not None],  # None: a reply of no tokens
+               "tpot": [r.tpot for r in done if r.tpot is not None],
                "itl": [gap for r in done for gap in r.itl], "e2el": [r.e2e for r in done]}
     for name, values in samples.items():
         for stat, value in describe(values).items():

@@ -9,7 +9,7 @@ from .report import token_times
 def latency_samples(report: dict) -> dict[str, list[float]]:
     """Milliseconds per completed request (ITL: per gap), rebuilt from the report's samples."""
     ok = [i for i, error in enumerate(report.get("errors", [])) if error is None]
-    ttft = [report["ttfts"][i] * 1000 for i in ok]
+    ttft = [report["ttfts"][i] * 1000 for i in ok if report["ttfts"][i] is not None]  # None: 0 tokens
     e2e = [report["e2els"][i] * 1000 for i in ok]
     tpot = [(report["e2els"][i] - report["ttfts"][i]) / (report["output_lens"][i] - 1) * 1000
             for i in ok if report["output_lens"][i] > 1]

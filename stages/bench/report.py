@@ -62,6 +62,17 @@ def load_report(path: Path) -> dict:
     return report
 
 
+def result_path(report: dict, directory: Path | None = None, filename: str | None = None) -> Path:
+    """Where vLLM's --save-result writes: --result-dir (default: here) / --result-filename, or a name made of
+    the rate, the concurrency, the model and the time (llmopt-4.0qps-concurrency8-MODEL-20261206-043000.json)."""
+    if filename is None:
+        concurrency = f"-concurrency{report['max_concurrency']}" if report.get("max_concurrency") else ""
+        model = str(report.get("model_id") or "model").rstrip("/").rsplit("/", 1)[-1]
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        filename = f"llmopt-{report.get('request_rate')}qps{concurrency}-{model}-{stamp}.json"
+    return Path(directory or ".") / filename
+
+
 def token_times(report: dict) -> list[float]:
     """When each streamed token arrived, in seconds after the start (rebuilt from the samples)."""
     times = []

@@ -47,20 +47,23 @@ class KVCachePlan:
 
 
 def build_engine(ref: str, config: EngineConfig, device: str = "cpu", dtype=None, backend: str = "auto",
-                 tp_options=None, startup: StartupReport | None = None, defer_warmup: bool = False) -> LLMEngine:
+                 tp_options=None, startup: StartupReport | None = None, defer_warmup: bool = False,
+                 tensor_parallel_size: int = 1) -> LLMEngine:
     """An engine serving `ref` (alias, GGUF, HF directory or artifact) on `device`, its kernels from `backend`
     ("auto", "cpu-native", "cpu-torch", "triton", "reference"; see `llmopt.kernels.select_backend`).
 
     startup: times the phases (see startup.py). defer_warmup: leave the matmul primitives
     (`ModelRunner.prebuild_matmuls`) and the KV cache's residency (`ModelRunner.make_kv_cache_resident`) to
     `warm_up_in_background`, which the caller starts once it is ready (the server is ready a second or more
-    sooner; both are done moments later)."""
+    sooner; both are done moments later). tensor_parallel_size: ranks to serve an unsharded source on, split
+    at load time (`tp/at_load.py`); a sharded artifact runs on its own ranks."""
     from .cuda_graphs import graph_batch_sizes, graphs_apply
-    from .loader import load_runtime, sharded_artifact
+    from .loader import load_runtime
     from .runner import ModelRunner
+    from .tp.at_load import artifact_for_tp
 
     with phase(startup, "artifact"):
-        sharded = sharded_artifact(ref)
+        sharded = artifact_for_tp(ref, tensor_parallel_size)
     if sharded is not None:
         return _build_tp_engine(sharded, config, device, dtype, backend, tp_options)
     runtime, tokenizer, model_config = load_runtime(ref, device, dtype, backend, startup)
@@ -115,12 +118,14 @@ def warm_up_in_background(engine: LLMEngine) -> threading.Thread:
 
 def kv_cache_plan(config: EngineConfig, spec, runtime, announce: bool = True) -> KVCachePlan:
     """The cache's size, from the first of: --num-blocks; --kv-cache-memory (bytes or a fraction of free
-    memory); --max-model-len x --max-num-seqs (vLLM's sizing: every running sequence at its longest); the
-    device's default memory. Never more blocks than every running sequence at its longest can use.
+    memory); --gpu-memory-utilization (vLLM's: the share of the device's whole memory this process may
+    use, the loaded weights included); --max-model-len x --max-num-seqs (vLLM's sizing: every running
+    sequence at its longest); the device's default memory. Never more blocks than every running sequence
+    at its longest can use.
     announce: log the start-up line that says which rule it was (`KVCachePlan.describe`)."""
     import torch
 
-    from .runner import kv_bytes_per_block, num_kv_blocks
+    from .runner import kv_bytes_per_block, num_kv_blocks, utilization_budget
 
     dtype, bs = runtime.dtype, config.block_size
     seqs = config.seqs_per_step
@@ -131,6 +136,10 @@ def kv_cache_plan(config: EngineConfig, spec, runtime, announce: bool = True) ->
     elif config.kv_cache_memory is not None:
         blocks, source = num_kv_blocks(spec, config.kv_cache_memory, bs, dtype, runtime.device), \
             f"from --kv-cache-memory {config.kv_cache_memory}"
+    elif config.gpu_memory_utilization is not None:
+        budget, option = utilization_budget(config.gpu_memory_utilization, runtime.device), \
+            f"--gpu-memory-utilization {config.gpu_memory_utilization}"
+        blocks, source = num_kv_blocks(spec, budget, bs, dtype, runtime.device, option), f"from {option}"
     elif config.max_model_len is not None:
         blocks, source = longest, f"{length:,} x {seqs} seqs, from --max-model-len x --max-num-seqs"
     else:

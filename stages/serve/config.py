@@ -49,6 +49,7 @@ class ServeConfig(FromOptions):
     backend: str = "auto"  # the kernels: one of llmopt.kernels.BACKENDS
     tp: TPOptions = field(default_factory=TPOptions)
     threads: int | None = None  # CPU threads; None: the CPUs this process may use (llmopt.kernels.threads)
+    tensor_parallel_size: int = 1  # vLLM's -tp: ranks to split an unsharded source over at load time
 
     def __post_init__(self) -> None:
         self.validate()
@@ -58,6 +59,9 @@ class ServeConfig(FromOptions):
             raise ConfigError(f"unknown --dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"unknown --backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size!r}: give a whole number >= 1")
         try:
             check_threads(self.threads)
         except ValueError as e:
@@ -74,10 +78,12 @@ class ServeConfig(FromOptions):
         if o["served_model_name"] is not None:  # None: the command names the model after its SOURCE
             server["served_model_name"] = o["served_model_name"]
         tp = TPOptions(o["nnodes"], o["node_rank"], o["master_addr"], o["master_port"])
-        return cls(engine, ServerConfig(**server), o["device"], o["dtype"], o["backend"], tp, o["threads"])
+        return cls(engine, ServerConfig(**server), o["device"], o["dtype"], o["backend"], tp, o["threads"],
+                   o["tensor_parallel_size"])
 
 
-ENGINE_OPTIONS = ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+ENGINE_OPTIONS = ("block_size", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
+                  "max_model_len",
                   "max_batch_size", "max_wait_ms", "enforce_eager")
 SERVER_OPTIONS = ("host", "port", "metrics_public", "max_queued_requests", "max_queued_tokens", "max_body_bytes",
                   "max_connections", "log_json")
@@ -104,6 +110,39 @@ def read_api_key(given: str | None, path: str | None) -> str | None:
     return key
 
 
+def options_from_file(path, source: str, schema: Options | None = None) -> dict:
+    """`llmopt serve --config FILE` (as `vllm serve --config`): a YAML mapping of option names (as the long
+    flags: max-num-seqs, --max-num-seqs or max_num_seqs) to values, each checked against its option; an
+    unknown name is refused. A `model` key, as vLLM's files may hold, must name SOURCE."""
+    import yaml
+
+    schema = schema or OPTIONS
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror or type(e).__name__})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML ({' '.join(str(e).split())})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of option names to values")
+    values = {}
+    for key, value in data.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name == "model":
+            if str(value) != source:
+                raise ConfigError(f"--config {path}: model {value!r} is not SOURCE {source!r}; give one model")
+            continue
+        if name not in schema:
+            raise ConfigError(f"--config {path}: {key!r} is no option of llmopt serve (llmopt serve --help)")
+        if schema[name].kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)  # kv-cache-memory: 0.5 reads as a number
+        values[name] = schema[name].check(value)
+    return values
+
+
 DEFAULTS = ServeConfig()  # what every option is when not given: the command line reads its defaults here
 _E, _S, _T = DEFAULTS.engine, DEFAULTS.server, DEFAULTS.tp
 OPTIONS = Options(  # in `llmopt serve`'s order
@@ -118,6 +157,7 @@ OPTIONS = Options(  # in `llmopt serve`'s order
     Option("keep_alive_timeout", float, _S.keep_alive_timeout_s), Option("max_connections", int, _S.max_connections),
     Option("log_json", bool, _S.log_json),
     Option("block_size", int, _E.block_size), Option("kv_cache_memory", str, _E.kv_cache_memory, optional=True),
+    Option("gpu_memory_utilization", float, _E.gpu_memory_utilization, optional=True),
     Option("max_num_seqs", int, _E.max_num_seqs), Option("max_num_batched_tokens", int, _E.max_num_batched_tokens),
     Option("max_model_len", int, _E.max_model_len, optional=True),
     Option("max_batch_size", int, _E.max_batch_size, optional=True), Option("max_wait_ms", float, _E.max_wait_ms),
@@ -127,6 +167,7 @@ OPTIONS = Options(  # in `llmopt serve`'s order
     Option("device", str, DEFAULTS.device), dtype_option(DEFAULTS.dtype),
     Option("backend", str, DEFAULTS.backend, choices=BACKENDS),
     Option("nnodes", int, _T.nnodes), Option("node_rank", int, _T.node_rank), Option("master_addr", str, _T.master_addr),
-    Option("master_port", int, _T.master_port, optional=True), Option("threads", int, None, optional=True),
+    Option("master_port", int, _T.master_port, optional=True),
+    Option("tensor_parallel_size", int, DEFAULTS.tensor_parallel_size), Option("threads", int, None, optional=True),
 )
 ServeConfig.OPTIONS = OPTIONS

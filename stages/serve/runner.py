@@ -75,14 +75,32 @@ def free_memory_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def num_kv_blocks(spec: ModelSpec, kv_cache_memory, block_size: int, dtype: torch.dtype, device) -> int:
-    """How many cache blocks fit the `--kv-cache-memory` budget; ConfigError when not even one does."""
-    budget = parse_kv_cache_memory(kv_cache_memory)
+def total_memory_bytes(device: torch.device) -> int:
+    """The device's whole memory: the CUDA device's, or the kernel's MemTotal on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1])
+    return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def utilization_budget(fraction: float, device) -> int:
+    """Bytes left for the cache when this process may use `fraction` of the device's memory (vLLM's
+    --gpu-memory-utilization): that share of the total, less what is in use now (the weights are loaded)."""
+    total = total_memory_bytes(device)
+    return max(0, int(fraction * total) - (total - free_memory_bytes(device)))
+
+
+def num_kv_blocks(spec: ModelSpec, kv_cache_memory, block_size: int, dtype: torch.dtype, device,
+                  option: str | None = None) -> int:
+    """How many cache blocks fit the `--kv-cache-memory` budget; ConfigError when not even one does.
+    option: the option (and value) that gave `kv_cache_memory`, then a byte count, when not that one."""
+    budget = int(kv_cache_memory) if option else parse_kv_cache_memory(kv_cache_memory)
+    option = option or f"--kv-cache-memory {kv_cache_memory}"
     if isinstance(budget, float):
         budget = int(budget * free_memory_bytes(device))
     per_block = kv_bytes_per_block(spec, block_size, dtype)
     if budget < per_block:
-        raise ConfigError(f"--kv-cache-memory {kv_cache_memory}: {budget} bytes hold no cache block "
+        raise ConfigError(f"{option}: {budget} bytes hold no cache block "
                           f"({per_block} bytes each with block size {block_size}); give more memory")
     return budget // per_block
 

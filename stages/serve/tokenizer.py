@@ -106,6 +106,10 @@ class ServeTokenizer:
     def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def convert_ids_to_tokens(self, token_ids) -> list[str | None]:
+        """Each id's token as the vocabulary spells it ("Ġthe"), as transformers' method of this name."""
+        return [self._tokenizer.id_to_token(i) for i in token_ids]
+
     def apply_chat_template(self, messages: list[dict], tokenize: bool = True, add_generation_prompt: bool = False,
                             return_dict: bool = True, **kwargs):
         """The conversation rendered with the chat template; with tokenize=True its token ids, as transformers

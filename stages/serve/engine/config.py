@@ -96,6 +96,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV-cache block
     num_blocks: int | None = None  # KV-cache blocks; None: derived from kv_cache_memory by the loader
     kv_cache_memory: str | float | None = None  # bytes ("4GiB", 1e9) or a fraction of free memory ("0.5")
+    gpu_memory_utilization: float | None = None  # vLLM's: share of the device's memory, weights included
     max_num_seqs: int = 64  # sequences in the running batch
     max_num_batched_tokens: int = 2048  # new tokens per step (decodes + prefill chunks)
     max_model_len: int | None = None  # prompt + output tokens; None: the model's context length
@@ -118,6 +119,11 @@ class EngineConfig:
             from ..runner import parse_kv_cache_memory  # the runner owns the cache and its sizing rules
 
             parse_kv_cache_memory(self.kv_cache_memory)
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                raise ConfigError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: give a fraction in (0, 1]")
+            if self.kv_cache_memory is not None:
+                raise ConfigError("give --kv-cache-memory or --gpu-memory-utilization, not both")
         if self.max_wait_ms < 0:
             raise ConfigError(f"--max-wait-ms must be >= 0 (got {self.max_wait_ms})")
         if self.max_num_batched_tokens < self.seqs_per_step:

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 
 from ...errors import LlmoptError
 
-from . import chat, completions, routes
+from . import chat, completions, routes, tokenize
 from .config import ServerConfig
 from .errors import install_handlers
 from .middleware import AccessLog, ApiKeyAuth, BodyLimit, BodyTimeout
@@ -48,7 +48,7 @@ def create_app(config: ServerConfig, engine=None, loader: Callable[[], object] |
     app = FastAPI(title="llmopt", summary="OpenAI-compatible server for llmopt models", version="1",
                   lifespan=lifespan)
     app.state.server = state
-    for module in (completions, chat, routes):
+    for module in (completions, chat, tokenize, routes):
         app.include_router(module.router)
     install_handlers(app)
     app.openapi = lambda: _openapi(app)
@@ -61,7 +61,7 @@ def _add_middleware(app: FastAPI, config: ServerConfig) -> None:
     app.add_middleware(BodyTimeout, timeout_s=config.header_timeout_s)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     if config.api_key is not None:
-        open_paths = {"/health"} | ({"/metrics"} if config.metrics_public else set())
+        open_paths = {"/health", "/ping"} | ({"/metrics"} if config.metrics_public else set())
         app.add_middleware(ApiKeyAuth, api_key=config.api_key, open_paths=frozenset(open_paths))
     app.add_middleware(AccessLog, log_json=config.log_json)
 

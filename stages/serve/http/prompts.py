@@ -14,18 +14,20 @@ def completion_prompts(prompt, tokenizer) -> list[list[int]]:
     return [encode(tokenizer, p, f"prompt[{i}]") if isinstance(p, str) else list(p) for i, p in enumerate(prompt)]
 
 
-def chat_prompt(messages: list[dict[str, str]], tokenizer) -> list[int]:
-    """The conversation rendered with the model's chat template, ending with the assistant's turn."""
+def chat_prompt(messages: list[dict[str, str]], tokenizer, add_generation_prompt: bool = True,
+                add_special_tokens: bool = False) -> list[int]:
+    """The conversation rendered with the model's chat template, ending with the assistant's turn (unless
+    not `add_generation_prompt`: POST /tokenize may ask so)."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model's tokenizer has no chat template, so /v1/chat/completions cannot format the "
                           "messages; use /v1/completions with a prompt instead", "messages", "no_chat_template")
     for i, message in enumerate(messages):
         _check_text(message["content"], f"messages[{i}].content")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja raises for conversations a template refuses (roles out of order, ...)
         raise bad_request(f"the chat template rejected the messages: {e}", "messages", "invalid_messages") from None
-    return encode(tokenizer, text, "messages", add_special_tokens=False)
+    return encode(tokenizer, text, "messages", add_special_tokens=add_special_tokens)
 
 
 def encode(tokenizer, text: str, param: str, add_special_tokens: bool = True) -> list[int]:

@@ -210,6 +210,31 @@ class ChatCompletionRequest(_Sampling):
         return out
 
 
+# POST /tokenize and /detokenize (vLLM's bodies)
+
+class TokenizeCompletionRequest(_Body):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool | None = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Body):
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
+    add_generation_prompt: bool | None = True
+    add_special_tokens: bool | None = False  # the template writes them
+    return_token_strs: bool | None = False
+
+    def text_messages(self) -> list[dict[str, str]]:
+        return ChatCompletionRequest.text_messages(self)  # same messages, same rendering
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
+
+
 def _stops(stop) -> tuple[str, ...]:
     if stop is None:
         return ()

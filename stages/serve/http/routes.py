@@ -1,7 +1,8 @@
-"""GET /v1/models, /health and /metrics."""
+"""GET /v1/models, /health (and /ping, as vLLM), /version and /metrics."""
 from __future__ import annotations
 
 import time
+from importlib import metadata
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -46,6 +47,22 @@ async def health(request: Request):
     else:
         status = "engine_dead"
     return JSONResponse({"status": status}, status_code=503)
+
+
+@router.get("/ping", responses={503: {"description": "as /health"}})
+@router.post("/ping", include_in_schema=False)  # no body to document (or to fuzz); GET /ping is the same
+async def ping(request: Request):
+    """vLLM's (and SageMaker's) name for /health."""
+    return await health(request)
+
+
+@router.get("/version")
+async def version():
+    """{"version": llmopt's version}, as vLLM answers with its own."""
+    try:
+        return {"version": metadata.version("llmopt")}
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return {"version": "unknown"}
 
 
 @router.get("/metrics", response_class=PlainTextResponse)  # for the OpenAPI schema: text

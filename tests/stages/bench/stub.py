@@ -45,10 +45,13 @@ class Script:
     usage_tokens: int | None = None  # completion_tokens to report (None: no usage event)
     prompt_tokens: int | None = None
     status: int = 200
+    finish_reason: str | None = None  # sent in a last event without text, when given
 
 
-def _event(text: str, chat: bool = False) -> bytes:
+def _event(text: str, chat: bool = False, finish_reason: str | None = None) -> bytes:
     choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+    if finish_reason is not None:
+        choice["finish_reason"] = finish_reason
     return b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n"
 
 
@@ -76,6 +79,8 @@ def scripted_transport(clock: FakeClock, scripts: dict[str, Script], seen: list 
             for i, offset in enumerate(script.events):
                 clock.t = t0 + offset
                 yield _event(f" tok{i}", chat="messages" in body)
+            if script.finish_reason is not None:
+                yield _event("", chat="messages" in body, finish_reason=script.finish_reason)
             if script.usage_tokens is not None:
                 yield _usage(script)
             clock.t = t0 + script.end

@@ -19,6 +19,9 @@ SCRIPTS = {
     "d": Script(events=(0.0625, 0.125, 0.25, 1.0), end=1.0625, usage_tokens=5, prompt_tokens=40),
     "e": Script(events=(), end=0.0, status=503),
     "z": Script(events=(0.0,), end=0.0),  # takes no time: only the arrival schedule moves the clock
+    # the model stopped at once: a finish reason, no text
+    "s": Script(events=(), end=0.125, usage_tokens=0, prompt_tokens=7, finish_reason="stop"),
+    "n": Script(events=(), end=0.125),  # neither text nor a finish reason
 }
 DURATION = 0.8125 + 0.25 + 0.5 + 1.0625  # sequential: one request at a time, back to back
 
@@ -130,3 +133,14 @@ def test_percentile_matches_numpy():
     for q in (0, 10, 50, 90, 99, 100):
         assert percentile(values, q) == pytest.approx(np.percentile(values, q), rel=1e-15)
     assert percentile([], 50) is None
+
+
+def test_a_stream_that_stops_at_once_is_completed_with_no_tokens():
+    run, _ = _run("sna")
+    s, n, a = run.results
+    assert (s.ok, s.output_tokens, s.ttft, s.itl, s.e2e, s.prompt_len, s.tpot) == (True, 0, None, [], 0.125, 7, None)
+    assert (n.ok, n.error) == (False, "no tokens")
+    metrics = summarize(run.results, run.duration)
+    assert (metrics["completed"], metrics["failed"], metrics["total_output_tokens"]) == (2, 1, 4)
+    assert metrics["mean_ttft_ms"] == a.ttft * 1000  # the empty reply has no time to a first token
+    assert metrics["mean_e2el_ms"] == (0.125 + 0.8125) / 2 * 1000

@@ -16,7 +16,7 @@ from llmopt.stages.serve.http.config import ServerConfig
 
 CLI = Path(__file__).parents[3] / "cli"
 # options whose default is not a config's: what the command does, not how the engine or server runs
-COMMAND_ONLY = {"source", "served_model_name", "prompt", "input", "output", "chat", "stop", "json"}
+COMMAND_ONLY = {"source", "served_model_name", "prompt", "input", "output", "chat", "stop", "json", "config"}
 
 
 def cli_defaults(command: str) -> dict:
