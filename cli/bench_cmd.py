@@ -19,7 +19,7 @@ D, OD = OPTIONS.defaults, OFFLINE_OPTIONS.defaults
 Opt = typer.Option
 ServeArgs = Annotated[Optional[list[str]], Opt("--serve-args", help="Options for the started server, one string "
                                                 "(repeatable), e.g. --serve-args '--max-num-seqs 32'.")]
-FailOn = Annotated[Optional[str], Opt("--fail-on", help="Exit 1 if any holds: 'p99_ttft_ms>500,output_throughput<50'.")]
+FailOn = Annotated[Optional[str], Opt("--fail-on", help="Exit 1 if any holds, comma-separated: p99_ttft_ms>500, output_throughput<50.")]
 
 
 def run(ctx: typer.Context,
