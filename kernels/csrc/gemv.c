@@ -36,22 +36,15 @@
 
 int llmopt_gemv_fast(void) { return FAST; }
 
-/* x rows (fp32 or bf16, row stride xs) -> a contiguous fp32 copy [M][kp] (zero-padded from K to kp)
- * that the threads share. */
-static float *load_x(const void *x, int64_t xs, int elem, int64_t m, int64_t k, int64_t kp) {
-    float *out = llmopt_alloc(sizeof(float) * (size_t)(m * kp));
-    if (!out) return NULL;
-    for (int64_t i = 0; i < m; i++) {
-        float *row = out + i * kp;
-        if (elem == 0) {
-            memcpy(row, (const float *)x + i * xs, sizeof(float) * (size_t)k);
-        } else {
-            const uint16_t *src = (const uint16_t *)x + i * xs;
-            for (int64_t j = 0; j < k; j++) row[j] = llmopt_bf16_to_f32(src[j]);
-        }
-        for (int64_t j = k; j < kp; j++) row[j] = 0.0f;
+/* Row i of x (fp32 or bf16, k entries) -> fp32, zero-padded to kp. */
+static void load_row(const void *x, int elem, int64_t k, int64_t kp, float *row) {
+    if (elem == 0) {
+        memcpy(row, x, sizeof(float) * (size_t)k);
+    } else {
+        const uint16_t *src = x;
+        for (int64_t j = 0; j < k; j++) row[j] = llmopt_bf16_to_f32(src[j]);
     }
-    return out;
+    for (int64_t j = k; j < kp; j++) row[j] = 0.0f;
 }
 
 static inline void store_y(void *y, int64_t ys, int elem, int64_t i, int64_t n, float v, const float *bias) {
@@ -98,30 +91,20 @@ static inline void tile_dot(const void *tile, int welem, int64_t kp, const float
 }
 #endif
 
-/* Dense tiled weight (see the top; fp32 welem 0 or bf16 welem 1) for an [N][K] matrix; x [M][K] and
- * y [M][N] fp32 or bf16 (elem); bias fp32 [N] or NULL. */
-int llmopt_gemv_dense(const void *x, int64_t xs, const void *tiles, int welem, const float *bias, void *y, int64_t ys,
-                      int elem, int64_t m, int64_t n, int64_t k) {
-    int64_t kp = (k + 15) / 16 * 16, ntiles = (n + TILE_ROWS - 1) / TILE_ROWS;
-    float *xf = load_x(x, xs, elem, m, k, kp);
-    if (!xf) return 2;
+/* Dense tiled weight (see the top; fp32 welem 0 or bf16 welem 1) for an [N][K] matrix: tiles [t0, t1) of y
+ * [M][N] (fp32 or bf16, elem) from x in fp32 [M][kp]; bias fp32 [N] or NULL. */
+static void dense_tiles(const float *xf, const void *tiles, int welem, const float *bias, void *y, int64_t ys, int elem,
+                        int64_t m, int64_t n, int64_t kp, int64_t t0, int64_t t1) {
     size_t tile_bytes = (size_t)(TILE_ROWS * kp) * (welem == 0 ? 4 : 2);
-#pragma omp parallel
-    {
-        int64_t t0, t1;
-        llmopt_thread_slab(ntiles, &t0, &t1);
-        for (int64_t t = t0; t < t1; t++) {
-            const void *tile = (const char *)tiles + (size_t)t * tile_bytes;
-            for (int64_t i = 0; i < m; i++) {
-                float out[4];
-                tile_dot(tile, welem, kp, xf + i * kp, out);
-                for (int r = 0; r < TILE_ROWS && t * TILE_ROWS + r < n; r++)
-                    store_y(y, ys, elem, i, t * TILE_ROWS + r, out[r], bias);
-            }
+    for (int64_t t = t0; t < t1; t++) {
+        const void *tile = (const char *)tiles + (size_t)t * tile_bytes;
+        for (int64_t i = 0; i < m; i++) {
+            float out[4];
+            tile_dot(tile, welem, kp, xf + i * kp, out);
+            for (int r = 0; r < TILE_ROWS && t * TILE_ROWS + r < n; r++)
+                store_y(y, ys, elem, i, t * TILE_ROWS + r, out[r], bias);
         }
     }
-    free(xf);
-    return 0;
 }
 
 /* int4 weight, group-wise, tiled like the dense ones (converted once at load time by
@@ -227,48 +210,6 @@ static void w4_tile_rows(const void *p, const float *s, const void *z, int64_t g
 typedef void (*tile_rows_fn)(const void *p, const float *s, const void *z, int64_t groups, int64_t gsize,
                              const float *xf, int64_t kp, int64_t m, float *out);
 
-/* The quantized GEMVs' common part: tiles of tile_bytes, scales and 1-byte zero points [tiles][groups][4],
- * x zero-padded to kp; each thread runs its slab of tiles through `rows`. */
-static int quant_gemv(tile_rows_fn rows, size_t tile_bytes, const void *x, int64_t xs, const void *tiles,
-                      const float *scales, const void *zeros, int64_t groups, int64_t gsize, const float *bias, void *y,
-                      int64_t ys, int elem, int64_t m, int64_t n, int64_t k, int64_t kp) {
-    float *xf = load_x(x, xs, elem, m, k, kp);
-    if (!xf) return 2;
-    int64_t ntiles = (n + TILE_ROWS - 1) / TILE_ROWS;
-    int failed = 0;
-#pragma omp parallel
-    {
-        int64_t t0, t1;
-        llmopt_thread_slab(ntiles, &t0, &t1);
-        float *out = llmopt_alloc(sizeof(float) * (size_t)(m * TILE_ROWS));
-        if (!out) {
-#pragma omp atomic write
-            failed = 2;
-        } else {
-            for (int64_t t = t0; t < t1; t++) {
-                const void *z = zeros ? (const char *)zeros + t * groups * TILE_ROWS : NULL;
-                rows((const char *)tiles + (size_t)t * tile_bytes, scales + t * groups * TILE_ROWS, z, groups, gsize,
-                     xf, kp, m, out);
-                for (int64_t i = 0; i < m; i++)
-                    for (int r = 0; r < TILE_ROWS && t * TILE_ROWS + r < n; r++)
-                        store_y(y, ys, elem, i, t * TILE_ROWS + r, out[i * TILE_ROWS + r], bias);
-            }
-            free(out);
-        }
-    }
-    free(xf);
-    return failed;
-}
-
-int llmopt_gemv_w4(const void *x, int64_t xs, const uint8_t *packed, const float *scales, const uint8_t *zeros,
-                   int64_t group, const float *bias, void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t k) {
-    if (group % 32 || k % group) return 1;
-    int rc = llmopt_gemv_quant_vnni(4, x, xs, packed, scales, zeros, k / group, group, bias, y, ys, elem, m, n, k, k);
-    if (rc != 3) return rc; /* 3: no VNNI in this build */
-    return quant_gemv(w4_tile_rows, (size_t)(TILE_ROWS * k / 2), x, xs, packed, scales, zeros, k / group, group, bias, y,
-                      ys, elem, m, n, k, k);
-}
-
 /* int8 weight, group-wise (weight-only W8A16), tiled like the dense ones: tile t = rows 4t..4t+3, steps of
  * 16 inputs, each step 4 x 16 int8; K zero-padded to whole steps. scales [tiles][groups][4] fp32; zeros
  * [tiles][groups][4] int8 or NULL (0). A group is `gsteps` steps; output = sum over groups of
@@ -310,13 +251,148 @@ static void w8_tile_rows(const void *p, const float *s, const void *z, int64_t g
 }
 #endif
 
+
+typedef void (*tile_rows_fn)(const void *p, const float *s, const void *z, int64_t groups, int64_t gsize,
+                             const float *xf, int64_t kp, int64_t m, float *out);
+
+/* What a linear's kernels need to know of its shape. */
+typedef struct {
+    int64_t kp;          /* K padded to whole steps: the length of a prepared x row */
+    int64_t groups;      /* quantization groups along K (1 for dense) */
+    int64_t gsize;       /* inputs per group, as the VNNI kernels take it */
+    int64_t gunit;       /* the portable tile kernels' group: inputs (int4) or steps of 16 (int8) */
+    size_t tile_bytes;
+    int bits;            /* 0 dense, 4, 8 */
+    int vnni;            /* quantized, on the VNNI kernels */
+    int64_t dstride, nblocks; /* VNNI: bytes of digits per row, blocks (scale and sum) per row */
+} shape_t;
+
+static int linear_shape(const llmopt_linear *l, shape_t *s) {
+    memset(s, 0, sizeof(*s));
+    if (l->n <= 0 || l->k <= 0) return 1;
+    if (l->kind == 0) {
+        s->kp = (l->k + 15) / 16 * 16, s->groups = 1, s->bits = 0;
+        s->tile_bytes = (size_t)(TILE_ROWS * s->kp) * (l->welem == 0 ? 4 : 2);
+        return 0;
+    }
+    if (l->kind == 1) {
+        if (l->group <= 0 || l->group % 32 || l->k % l->group) return 1;
+        s->bits = 4, s->kp = l->k, s->groups = l->k / l->group, s->gsize = s->gunit = l->group;
+        s->tile_bytes = (size_t)(TILE_ROWS * l->k / 2);
+    } else if (l->kind == 2) {
+        s->bits = 8, s->kp = (l->k + 15) / 16 * 16, s->groups = l->group >= l->k ? 1 : l->k / l->group;
+        if (s->groups > 1 && (l->group % 16 || l->k % l->group)) return 1;
+        s->gsize = s->kp / s->groups, s->gunit = s->kp / 16 / s->groups;
+        s->tile_bytes = (size_t)(TILE_ROWS * s->kp);
+    } else {
+        return 1;
+    }
+    s->vnni = llmopt_gemv_vnni();
+    if (s->vnni) llmopt_vnni_sizes(s->kp, s->groups, s->gsize, &s->dstride, &s->nblocks);
+    return 0;
+}
+
+static size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+/* Scratch layout for M rows: VNNI digits [M][dstride] (64-byte aligned), fp32 x [M][kp], VNNI block figures
+ * [M][2 * nblocks]. */
+static void scratch_parts(const shape_t *s, void *scratch, int64_t m, int8_t **digits, float **xf, float **sums) {
+    char *at = scratch;
+    *digits = (int8_t *)at;
+    at += round64((size_t)(m * s->dstride));
+    *xf = (float *)at;
+    at += round64(sizeof(float) * (size_t)(m * s->kp));
+    *sums = (float *)at;
+}
+
+int llmopt_gemv_check(const llmopt_linear *l) {
+    shape_t s;
+    return linear_shape(l, &s);
+}
+
+size_t llmopt_gemv_scratch(const llmopt_linear *l, int64_t m) {
+    shape_t s;
+    if (linear_shape(l, &s)) return 0;
+    return round64((size_t)(m * s.dstride)) + round64(sizeof(float) * (size_t)(m * s.kp)) +
+           round64(sizeof(float) * (size_t)(2 * m * s.nblocks));
+}
+
+int64_t llmopt_gemv_tiles(const llmopt_linear *l) { return (l->n + TILE_ROWS - 1) / TILE_ROWS; }
+
+void llmopt_gemv_load_row(const llmopt_linear *l, const void *x, int elem, int64_t i, int64_t m, void *scratch) {
+    shape_t s;
+    int8_t *digits;
+    float *xf, *sums;
+    linear_shape(l, &s);
+    scratch_parts(&s, scratch, m, &digits, &xf, &sums);
+    load_row(x, elem, l->k, s.kp, xf + i * s.kp);
+    if (s.vnni && s.bits) llmopt_vnni_quantize(xf + i * s.kp, s.gsize, s.groups, digits + i * s.dstride,
+                                               sums + i * 2 * s.nblocks);
+}
+
+void llmopt_gemv_run(const llmopt_linear *l, const void *scratch, int64_t m, void *y, int64_t ys, int elem,
+                     int64_t t0, int64_t t1) {
+    shape_t s;
+    int8_t *digits;
+    float *xf, *sums;
+    linear_shape(l, &s);
+    scratch_parts(&s, (void *)scratch, m, &digits, &xf, &sums);
+    if (s.bits == 0) {
+        dense_tiles(xf, l->weight, (int)l->welem, l->bias, y, ys, elem, m, l->n, s.kp, t0, t1);
+        return;
+    }
+    if (s.vnni) {
+        llmopt_vnni_run(s.bits, l->weight, l->scales, l->zeros, s.groups, s.gsize, l->bias, digits, sums, s.dstride,
+                        s.nblocks, y, ys, elem, m, l->n, s.kp, t0, t1);
+        return;
+    }
+    tile_rows_fn rows = s.bits == 4 ? w4_tile_rows : w8_tile_rows;
+    for (int64_t t = t0; t < t1; t++) {
+        const void *z = l->zeros ? (const char *)l->zeros + t * s.groups * TILE_ROWS : NULL;
+        for (int64_t i0 = 0; i0 < m; i0 += 16) { /* 16 rows at a time: a whole number of the kernels' blocks */
+            float out[16 * TILE_ROWS];
+            int64_t mm = m - i0 < 16 ? m - i0 : 16;
+            rows((const char *)l->weight + (size_t)t * s.tile_bytes, l->scales + t * s.groups * TILE_ROWS, z,
+                 s.groups, s.gunit, xf + i0 * s.kp, s.kp, mm, out);
+            for (int64_t i = 0; i < mm; i++)
+                for (int r = 0; r < TILE_ROWS && t * TILE_ROWS + r < l->n; r++)
+                    store_y(y, ys, elem, i0 + i, t * TILE_ROWS + r, out[i * TILE_ROWS + r], l->bias);
+        }
+    }
+}
+
+int llmopt_gemv(const llmopt_linear *l, const void *x, int64_t xs, void *y, int64_t ys, int elem, int64_t m) {
+    if (llmopt_gemv_check(l)) return 1;
+    void *scratch = llmopt_alloc(llmopt_gemv_scratch(l, m));
+    if (!scratch) return 2;
+    for (int64_t i = 0; i < m; i++)
+        llmopt_gemv_load_row(l, (const char *)x + i * xs * (elem == 0 ? 4 : 2), elem, i, m, scratch);
+    int64_t tiles = llmopt_gemv_tiles(l);
+#pragma omp parallel
+    {
+        int64_t t0, t1;
+        llmopt_thread_slab(tiles, &t0, &t1);
+        llmopt_gemv_run(l, scratch, m, y, ys, elem, t0, t1);
+    }
+    free(scratch);
+    return 0;
+}
+
+int llmopt_gemv_dense(const void *x, int64_t xs, const void *tiles, int welem, const float *bias, void *y, int64_t ys,
+                      int elem, int64_t m, int64_t n, int64_t k) {
+    llmopt_linear l = {0, welem, tiles, NULL, NULL, 0, bias, n, k};
+    return llmopt_gemv(&l, x, xs, y, ys, elem, m);
+}
+
+int llmopt_gemv_w4(const void *x, int64_t xs, const uint8_t *packed, const float *scales, const uint8_t *zeros,
+                   int64_t group, const float *bias, void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t k) {
+    llmopt_linear l = {1, 0, packed, scales, zeros, group, bias, n, k};
+    return llmopt_gemv(&l, x, xs, y, ys, elem, m);
+}
+
 int llmopt_gemv_w8(const void *x, int64_t xs, const int8_t *tiles, const float *scales, const int8_t *zeros,
                    int64_t group, const float *bias, void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t k) {
-    int64_t kp = (k + 15) / 16 * 16, groups = group >= k ? 1 : k / group;
-    if (groups > 1 && (group % 16 || k % group)) return 1;
-    int rc = llmopt_gemv_quant_vnni(8, x, xs, tiles, scales, zeros, groups, kp / groups, bias, y, ys, elem, m, n, k,
-                                    kp);
-    if (rc != 3) return rc; /* 3: no VNNI in this build */
-    return quant_gemv(w8_tile_rows, (size_t)(TILE_ROWS * kp), x, xs, tiles, scales, zeros, groups, kp / 16 / groups,
-                      bias, y, ys, elem, m, n, k, kp);
+    llmopt_linear l = {2, 0, tiles, scales, zeros, group, bias, n, k};
+    return llmopt_gemv(&l, x, xs, y, ys, elem, m);
 }
+

@@ -168,57 +168,62 @@ static void tile_rows(int bits, const uint8_t *p, const float *s, const uint8_t 
     }
 }
 
-/* y[M][N] = x[M][K] @ W.T (+ bias) for int4 (bits 4, symmetric zero 8 when zeros is NULL) or int8 (bits 8,
- * zero 0) tiles; gsize inputs per group, kp = K padded to whole steps; x and y fp32 or bf16 (elem). */
-int llmopt_gemv_quant_vnni(int bits, const void *x, int64_t xs, const void *tiles, const float *scales,
-                           const void *zeros, int64_t groups, int64_t gsize, const float *bias, void *y, int64_t ys,
-                           int elem, int64_t m, int64_t n, int64_t k, int64_t kp) {
-    int64_t nblocks = groups * ((gsize + BLOCK - 1) / BLOCK), dstride = kp / 16 * DIGITS;
-    float *xf = llmopt_alloc(sizeof(float) * (size_t)(m * kp));
-    float *sums = llmopt_alloc(sizeof(float) * (size_t)(2 * m * nblocks)); /* [M][blocks][sx, sum(xi)] */
-    int8_t *digits = llmopt_alloc((size_t)(m * dstride));
-    int failed = !xf || !sums || !digits ? 2 : 0;
-    for (int64_t i = 0; i < m && !failed; i++) {
-        float *row = xf + i * kp;
-        for (int64_t j = 0; j < kp; j++)
-            row[j] = j >= k ? 0.0f : elem == 0 ? ((const float *)x)[i * xs + j]
-                                               : llmopt_bf16_to_f32(((const uint16_t *)x)[i * xs + j]);
-        quantize_row(row, gsize, groups, digits + i * dstride, sums + i * 2 * nblocks);
-    }
+/* Bytes of digits per x row and blocks per row for kp inputs in `groups` groups of gsize. */
+void llmopt_vnni_sizes(int64_t kp, int64_t groups, int64_t gsize, int64_t *dstride, int64_t *nblocks) {
+    *dstride = kp / 16 * DIGITS;
+    *nblocks = groups * ((gsize + BLOCK - 1) / BLOCK);
+}
+
+/* One fp32 x row (kp entries, zero-padded) as digits d (64-byte aligned) and block figures xs. */
+void llmopt_vnni_quantize(const float *row, int64_t gsize, int64_t groups, int8_t *d, float *xs) {
+    quantize_row(row, gsize, groups, d, xs);
+}
+
+/* Tiles [t0, t1) of y[M][N] (+ bias) for int4 (bits 4, symmetric zero 8 when zeros is NULL) or int8 (bits 8,
+ * zero 0) tiles against M x rows prepared by llmopt_vnni_quantize (digits [M][dstride], sums [M][2 * nblocks]);
+ * y fp32 or bf16 (elem). */
+void llmopt_vnni_run(int bits, const void *tiles, const float *scales, const void *zeros, int64_t groups,
+                     int64_t gsize, const float *bias, const int8_t *digits, const float *sums, int64_t dstride,
+                     int64_t nblocks, void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t kp, int64_t t0,
+                     int64_t t1) {
     size_t tile_bytes = (size_t)(4 * kp * bits / 8);
     float zero_bias = zeros ? 0.0f : (bits == 4 ? 8.0f : 0.0f), code_bias = bits == 8 ? 128.0f : 0.0f;
-#pragma omp parallel if (!failed)
-    {
-        int64_t t0, t1;
-        llmopt_thread_slab((n + 3) / 4, &t0, &t1);
-        float out[16 * 4];
-        for (int64_t t = t0; t < t1 && !failed; t++) {
-            const uint8_t *z = zeros ? (const uint8_t *)zeros + t * groups * 4 : NULL;
-            for (int64_t i0 = 0; i0 < m; i0 += 16) {
-                int64_t mm = m - i0 < 16 ? m - i0 : 16;
-                tile_rows(bits, (const uint8_t *)tiles + t * tile_bytes, scales + t * groups * 4, z, groups, gsize,
-                          digits + i0 * dstride, sums + i0 * 2 * nblocks, dstride, nblocks, mm,
-                          code_bias + zero_bias, out);
-                for (int64_t i = 0; i < mm; i++)
-                    for (int r = 0; r < 4 && t * 4 + r < n; r++) {
-                        float v = out[i * 4 + r] + (bias ? bias[t * 4 + r] : 0.0f);
-                        if (elem == 0) ((float *)y)[(i0 + i) * ys + t * 4 + r] = v;
-                        else ((uint16_t *)y)[(i0 + i) * ys + t * 4 + r] = llmopt_f32_to_bf16(v);
-                    }
-            }
+    float out[16 * 4];
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *z = zeros ? (const uint8_t *)zeros + t * groups * 4 : NULL;
+        for (int64_t i0 = 0; i0 < m; i0 += 16) {
+            int64_t mm = m - i0 < 16 ? m - i0 : 16;
+            tile_rows(bits, (const uint8_t *)tiles + t * tile_bytes, scales + t * groups * 4, z, groups, gsize,
+                      digits + i0 * dstride, sums + i0 * 2 * nblocks, dstride, nblocks, mm, code_bias + zero_bias,
+                      out);
+            for (int64_t i = 0; i < mm; i++)
+                for (int r = 0; r < 4 && t * 4 + r < n; r++) {
+                    float v = out[i * 4 + r] + (bias ? bias[t * 4 + r] : 0.0f);
+                    if (elem == 0) ((float *)y)[(i0 + i) * ys + t * 4 + r] = v;
+                    else ((uint16_t *)y)[(i0 + i) * ys + t * 4 + r] = llmopt_f32_to_bf16(v);
+                }
         }
     }
-    free(xf); free(sums); free(digits);
-    return failed;
 }
 #else
+/* Not built with VNNI: llmopt_gemv_vnni() says so, and gemv.c never calls the others. */
 int llmopt_gemv_vnni(void) { return 0; }
 
-int llmopt_gemv_quant_vnni(int bits, const void *x, int64_t xs, const void *tiles, const float *scales,
-                           const void *zeros, int64_t groups, int64_t gsize, const float *bias, void *y, int64_t ys,
-                           int elem, int64_t m, int64_t n, int64_t k, int64_t kp) {
-    (void)bits; (void)x; (void)xs; (void)tiles; (void)scales; (void)zeros; (void)groups; (void)gsize; (void)bias;
-    (void)y; (void)ys; (void)elem; (void)m; (void)n; (void)k; (void)kp;
-    return 3; /* not built with VNNI: gemv.c keeps its fp32 paths */
+void llmopt_vnni_sizes(int64_t kp, int64_t groups, int64_t gsize, int64_t *dstride, int64_t *nblocks) {
+    (void)kp; (void)groups; (void)gsize;
+    *dstride = *nblocks = 0;
+}
+
+void llmopt_vnni_quantize(const float *row, int64_t gsize, int64_t groups, int8_t *d, float *xs) {
+    (void)row; (void)gsize; (void)groups; (void)d; (void)xs;
+}
+
+void llmopt_vnni_run(int bits, const void *tiles, const float *scales, const void *zeros, int64_t groups,
+                     int64_t gsize, const float *bias, const int8_t *digits, const float *sums, int64_t dstride,
+                     int64_t nblocks, void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t kp, int64_t t0,
+                     int64_t t1) {
+    (void)bits; (void)tiles; (void)scales; (void)zeros; (void)groups; (void)gsize; (void)bias; (void)digits;
+    (void)sums; (void)dstride; (void)nblocks; (void)y; (void)ys; (void)elem; (void)m; (void)n; (void)kp; (void)t0;
+    (void)t1;
 }
 #endif

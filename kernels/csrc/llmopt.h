@@ -38,6 +38,19 @@ static inline void llmopt_thread_slab(int64_t tiles, int64_t *t0, int64_t *t1) {
     *t1 = *t0 + per + (tid < extra ? 1 : 0);
 }
 
+/* A linear layer's weight as the GEMVs take it (dense, int4 or int8 tiles: see gemv.c); the same layout as
+ * llmopt.kernels.cpu_native._Linear. */
+typedef struct {
+    int64_t kind; /* 0: dense tiles (welem 0 fp32 / 1 bf16); 1: int4; 2: int8 */
+    int64_t welem;
+    const void *weight; /* tiles, or packed int4 */
+    const float *scales;
+    const void *zeros; /* uint8 (int4) or int8 (int8) zero points, or NULL */
+    int64_t group;
+    const float *bias;
+    int64_t n, k;
+} llmopt_linear;
+
 int llmopt_paged_decode_f32(const float *q, int64_t q_stride, const float *kv, int64_t row_stride,
                             const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens, float *out,
                             int64_t out_stride, int64_t num_seqs, int64_t hq, int64_t hk, int64_t dim,
@@ -52,13 +65,46 @@ int llmopt_gemv_w4(const void *x, int64_t xs, const uint8_t *packed, const float
                    int64_t group, const float *bias, void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t k);
 int llmopt_gemv_w8(const void *x, int64_t xs, const int8_t *tiles, const float *scales, const int8_t *zeros,
                    int64_t group, const float *bias, void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t k);
-int llmopt_gemv_vnni(void);
-int llmopt_gemv_quant_vnni(int bits, const void *x, int64_t xs, const void *tiles, const float *scales,
-                           const void *zeros, int64_t groups, int64_t gsize, const float *bias, void *y, int64_t ys,
-                           int elem, int64_t m, int64_t n, int64_t k, int64_t kp);
+int llmopt_gemv(const llmopt_linear *l, const void *x, int64_t xs, void *y, int64_t ys, int elem, int64_t m);
 int llmopt_add_rms_norm(const void *x, int64_t xs, void *residual, int64_t rs, const void *w, void *out, int64_t os,
                         int64_t rows, int64_t h, float eps, int elem);
 int llmopt_silu_mul(const void *gu, int64_t gs, void *out, int64_t os, int64_t rows, int64_t inter, int elem);
 int llmopt_rope(void *x, int64_t xs, const void *cs, int64_t css, int64_t rows, int64_t heads, int64_t d, int elem);
+
+/* The parts of those calls, for a caller that runs a whole step in one OpenMP team (layer.c).
+ *
+ * A GEMV in three parts: llmopt_gemv_scratch bytes (64-byte aligned) hold x prepared for the tiles;
+ * llmopt_gemv_load_row prepares row i of M there (any thread, each row once); once every row is in,
+ * llmopt_gemv_run computes tiles [t0, t1) of llmopt_gemv_tiles (any split over the threads). Each output is
+ * computed the same way whatever the split. llmopt_gemv_check: nonzero for a shape the kernels refuse. */
+int llmopt_gemv_check(const llmopt_linear *l);
+size_t llmopt_gemv_scratch(const llmopt_linear *l, int64_t m);
+int64_t llmopt_gemv_tiles(const llmopt_linear *l);
+void llmopt_gemv_load_row(const llmopt_linear *l, const void *x, int elem, int64_t i, int64_t m, void *scratch);
+void llmopt_gemv_run(const llmopt_linear *l, const void *scratch, int64_t m, void *y, int64_t ys, int elem,
+                     int64_t t0, int64_t t1);
+/* Paged decode attention's work, shared over the calling team (orphaned `omp for`); 2: no scratch. */
+int llmopt_paged_decode_f32_team(const float *q, int64_t q_stride, const float *kv, int64_t row_stride,
+                                 const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
+                                 float *out, int64_t out_stride, int64_t num_seqs, int64_t hq, int64_t hk,
+                                 int64_t dim, int64_t block_size, float scale);
+int llmopt_paged_decode_bf16_team(const uint16_t *q, int64_t q_stride, const uint16_t *kv, int64_t row_stride,
+                                  const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
+                                  uint16_t *out, int64_t out_stride, int64_t num_seqs, int64_t hq, int64_t hk,
+                                  int64_t dim, int64_t block_size, float scale);
+/* One row (pointers at the row) of the small ops. */
+void llmopt_add_rms_norm_row(const void *x, void *residual, const void *w, void *out, int64_t h, float eps, int elem);
+void llmopt_silu_mul_row(const void *gu, void *out, int64_t inter, int elem);
+void llmopt_rope_row(void *x, const void *cs, int64_t heads, int64_t d, int elem);
+
+/* gemv_vnni.c, for gemv.c (llmopt_gemv_vnni(): 1 where the build has the VNNI kernels, 0 where these do
+ * nothing). */
+int llmopt_gemv_vnni(void);
+void llmopt_vnni_sizes(int64_t kp, int64_t groups, int64_t gsize, int64_t *dstride, int64_t *nblocks);
+void llmopt_vnni_quantize(const float *row, int64_t gsize, int64_t groups, int8_t *d, float *xs);
+void llmopt_vnni_run(int bits, const void *tiles, const float *scales, const void *zeros, int64_t groups,
+                     int64_t gsize, const float *bias, const int8_t *digits, const float *sums, int64_t dstride,
+                     int64_t nblocks, void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t kp, int64_t t0,
+                     int64_t t1);
 
 #endif

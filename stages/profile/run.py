@@ -29,7 +29,7 @@ from .costs import PROJECTIONS, kv_bytes_per_token, parameter_count, tensor_byte
 from .machine import measure_machine, peak_memory, reset_peak_memory, resident_bytes, torch_threads
 from .plan import SweepPlan, plan_sweep
 from .steps import decode_step, prefill_step
-from .sweeps import context_slope, decode_point, interleaved_seconds, prefill_point, roofline
+from .sweeps import context_slope, decode_point, interleaved_seconds, prefill_point, roofline, steady_seconds
 
 DEFAULT_BUDGET_FRACTION = 0.9
 
@@ -55,7 +55,7 @@ def run_profile(sources: list[str], config: ProfileConfig, hooks: StageHooks | N
 
 
 def _profile_all(sources: list[str], config: ProfileConfig, device: torch.device, hooks: StageHooks) -> dict:
-    per_source = len(config.prompt_lens) + len(config.batch_sizes) + len(config.context_lens) + 4
+    per_source = len(config.prompt_lens) + len(config.batch_sizes) + len(config.context_lens) + 5
     progress = _Progress(hooks, 1 + per_source * len(sources))
     hooks.status(f"measuring copy bandwidth and GEMM throughput on {device}")
     machine = measure_machine(device, config.copy_mib)
@@ -138,12 +138,13 @@ def profile_source(ref: str, config: ProfileConfig, machine: dict, device, hooks
     sweep = _SourceSweep(runner, plan, config, hooks, progress, ref)
     prefill, decode, contexts = sweep.latencies(weights["total"], machine["copy"]["bytes_per_s"],
                                                 memory["kv_bytes_per_token"])
+    steady = sweep.steady(weights["total"], machine["copy"]["bytes_per_s"], memory["kv_bytes_per_token"])
     breakdown, ops = sweep.breakdowns()
     memory["peak_bytes"] = peak_memory(device)
     capacity = plan_capacity(_plan_inputs(config, memory, weights, decode, contexts, plan))
     return {"source": ref, **facts, "model": _model_facts(runtime, runtime.spec), "weights": weights,
             "skipped": plan.skipped, "prefill": prefill, "decode": decode, "decode_context": contexts,
-            "roofline": roofline(decode[0], machine["copy"]), "breakdown": breakdown, "ops": ops,
+            "roofline": roofline(steady, machine["copy"], decode[0]), "breakdown": breakdown, "ops": ops,
             "memory": memory, "capacity": capacity}
 
 
@@ -179,6 +180,13 @@ class _SourceSweep:
         configured = len(cfg.prompt_lens) + len(cfg.batch_sizes) + len(cfg.context_lens)
         self.progress.tick(configured - len(prefill) - len(batches) - len(contexts))  # the skipped points
         return prefill, batches, contexts
+
+    def steady(self, weight_bytes: int, copy_bytes_per_s: float, kv_token: int) -> dict:
+        """The roofline's batch-1 step at the decode context, timed back to back."""
+        step = decode_step(self.runner, 1, self.plan.decode_context)
+        self.hooks.status(f"{self.ref}: batch-1 decode steps back to back (the roofline)")
+        seconds = steady_seconds(self.runner, step, self.config.decode_steps)
+        return self._done(decode_point(self.runner, step, seconds, weight_bytes, copy_bytes_per_s, kv_token))
 
     def breakdowns(self) -> tuple[dict, dict]:
         """Per-layer and per-op time of the batch-1 decode step and of the shortest prefill."""

@@ -19,6 +19,11 @@ from .steps import prefill_step, time_step
 
 CHEAP_WARMUP_TOKENS = 512  # longer prompts are timed without a warm-up call: it would double their cost
 SWEEP_ROUNDS = 3  # interleaved passes over the decode points (the steps per point are split between them)
+# The roofline's own batch-1 timing: back-to-back steps, as a server at concurrency 1 runs them. In the sweep a
+# batch-1 step follows larger batches' steps, whose after-effects (on this Xeon, a batch-16 step on the AMX
+# matmuls) slow the next three batch-1 steps by 17-28% (2026-12-06: 6.90, 6.80, 6.35 ms against 5.4 back to back).
+STEADY_WARMUP = 5  # untimed steps first
+STEADY_STEPS = 16  # timed steps at least (more when --decode-steps asks for more)
 
 
 def spread_ms(seconds: list[float]) -> dict:
@@ -48,6 +53,11 @@ def interleaved_seconds(runner: ModelRunner, steps: dict, count: int, rounds: in
     return seconds
 
 
+def steady_seconds(runner: ModelRunner, step: StepInput, count: int) -> list[float]:
+    """Seconds per call of `step` run back to back, `max(count, STEADY_STEPS)` calls after STEADY_WARMUP."""
+    return time_step(runner, step, max(count, STEADY_STEPS), warmup=STEADY_WARMUP)
+
+
 def decode_point(runner: ModelRunner, step: StepInput, seconds: list[float], weight_bytes: int,
                  copy_bytes_per_s: float, kv_per_token: int) -> dict:
     """One decode step of its batch at its context, from its timings, with its roofline figures."""
@@ -63,9 +73,11 @@ def decode_point(runner: ModelRunner, step: StepInput, seconds: list[float], wei
             "steps": len(seconds)}
 
 
-def roofline(point: dict, copy: dict) -> dict:
+def roofline(point: dict, copy: dict, sweep: dict | None = None) -> dict:
     """The batch-1 decode roofline with every term of its arithmetic spelled out.
 
+    `point`: the batch-1 step timed back to back (`steady_seconds`); `sweep`: the same step's point in the
+    interleaved sweep, whose time and read share are kept beside it (`sweep_step_ms`, `sweep_read_share`).
     Two shares of the machine's copy bandwidth (`machine.copy.bytes_per_s`, STREAM: bytes read + written
     per second): `bandwidth_share` counts the weights only; `read_share` counts every byte a token's
     step reads (the weights and this context's KV cache rows), per token: the figure the decode work
@@ -85,7 +97,11 @@ def roofline(point: dict, copy: dict) -> dict:
             "read_share": per_token / ms_per_token * 1e3 / copy["bytes_per_s"],
             "read_formula": "read_share = ((weight_bytes + kv_bytes_read) / batch / (ms_per_token / 1000)) "
                             "/ copy_bytes_per_s",
-            "note": "copy bandwidth counts bytes read + written (STREAM); decode reads the weights once per step"}
+            "note": "copy bandwidth counts bytes read + written (STREAM); decode reads the weights once per step",
+            "timing": f"{point['steps']} batch-1 steps back to back after {STEADY_WARMUP} untimed ones (median)",
+            **({"sweep_step_ms": sweep["ms"],
+                "sweep_read_share": (sweep["weight_bytes"] + sweep["kv_bytes_read"]) / sweep["batch"]
+                / (sweep["ms"] / sweep["batch"] / 1e3) / copy["bytes_per_s"]} if sweep else {})}
 
 
 def context_slope(points: list[dict]) -> float:

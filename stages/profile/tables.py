@@ -102,7 +102,13 @@ def roofline_table(s: dict) -> TableData:
                    ["ms per token", f"{r['ms_per_token']:.3f} ms"],
                    ["read share of copy bandwidth", f"{r['read_bytes_per_s'] / 1e9:.3f} / "
                                                     f"{r['copy_bytes_per_s'] / 1e9:.3f} = {r['read_share']:.1%}"]]
+    if "sweep_step_ms" in r:  # reports written before it timed the sweep's point only
+        t.rows += [["in the interleaved sweep: ms per token, read share",
+                    f"{r['sweep_step_ms']:.3f} ms, {r['sweep_read_share']:.1%}"]]
     t.note = r["formula"] + ("; " + r["read_formula"] if "read_formula" in r else "")
+    if "timing" in r:
+        t.note += (f". Step time: {r['timing']}, as a server at concurrency 1 runs them; the sweep's batch-1 "
+                   "point follows larger batches' steps, which slow the next few")
     return t
 
 

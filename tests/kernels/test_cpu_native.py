@@ -52,6 +52,25 @@ def test_matches_torch_twin_bf16():
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)  # a bf16 rounding or two
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sequence_split_over_threads_by_heads_matches_it_in_a_batch_exactly(dtype):
+    # fewer sequences than threads: each one's query heads are split over the threads; every head's
+    # arithmetic is unchanged, so the output equals, bit for bit, the same sequence's row in a batch
+    # large enough to give each thread whole sequences
+    q, cache, tables, lens = _case([37, 5, 70, 16, 33, 1, 64, 20], 9, 3, 64, 16, dtype, seed=5)
+    kv, before = cache.view(-1, 384), torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        batched = cpu_native.paged_decode(q, kv, tables, lens, 0.125, 16)
+        for threads in (1, 2, 3, 4):
+            torch.set_num_threads(threads)
+            for s in range(len(lens)):
+                alone = cpu_native.paged_decode(q[s:s + 1], kv, tables[s:s + 1], lens[s:s + 1], 0.125, 16)
+                assert torch.equal(alone[0], batched[s]), (threads, s)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_large_scores_stay_finite_and_peak_where_the_key_matches():
     # online softmax across blocks: a huge score in a late block must rescale everything before it
     q, cache, tables, lens = _case([50], 2, 1, 64, 4, torch.float32, seed=5)
