@@ -264,6 +264,7 @@ typedef struct {
     size_t tile_bytes;
     int bits;            /* 0 dense, 4, 8 */
     int vnni;            /* quantized, on the VNNI kernels */
+    int amx;             /* ... on their AMX-INT8 form (gemv_vnni.c), for every M */
     int64_t dstride, nblocks; /* VNNI: bytes of digits per row, blocks (scale and sum) per row */
 } shape_t;
 
@@ -288,7 +289,10 @@ static int linear_shape(const llmopt_linear *l, shape_t *s) {
         return 1;
     }
     s->vnni = llmopt_gemv_vnni();
-    if (s->vnni) llmopt_vnni_sizes(s->kp, s->groups, s->gsize, &s->dstride, &s->nblocks);
+    if (s->vnni) {
+        llmopt_vnni_sizes(s->kp, s->groups, s->gsize, &s->dstride, &s->nblocks);
+        s->amx = llmopt_vnni_amx(s->kp, s->gsize);
+    }
     return 0;
 }
 
@@ -326,8 +330,10 @@ void llmopt_gemv_load_row(const llmopt_linear *l, const void *x, int elem, int64
     linear_shape(l, &s);
     scratch_parts(&s, scratch, m, &digits, &xf, &sums);
     load_row(x, elem, l->k, s.kp, xf + i * s.kp);
-    if (s.vnni && s.bits) llmopt_vnni_quantize(xf + i * s.kp, s.gsize, s.groups, digits + i * s.dstride,
-                                               sums + i * 2 * s.nblocks);
+    int amx = s.amx && m > 1; /* the AMX layout: chunks of 64 inputs, each with every row's 3 x 64 digit bytes */
+    if (s.vnni && s.bits)
+        llmopt_vnni_quantize(xf + i * s.kp, s.gsize, s.groups, amx ? digits + i * 192 : digits + i * s.dstride,
+                             sums + i * 2 * s.nblocks, amx ? m * 192 : 0);
 }
 
 void llmopt_gemv_run(const llmopt_linear *l, const void *scratch, int64_t m, void *y, int64_t ys, int elem,
@@ -341,9 +347,14 @@ void llmopt_gemv_run(const llmopt_linear *l, const void *scratch, int64_t m, voi
         dense_tiles(xf, l->weight, (int)l->welem, l->bias, y, ys, elem, m, l->n, s.kp, t0, t1);
         return;
     }
+    if (s.amx && m > 1) { /* one row streams faster on vpdpbusd, in the form that rounds as AMX does */
+        llmopt_vnni_run_amx(s.bits, l->weight, l->scales, l->zeros, s.groups, s.gsize, l->bias, digits, sums,
+                            s.nblocks, y, ys, elem, m, l->n, s.kp, t0, t1);
+        return;
+    }
     if (s.vnni) {
-        llmopt_vnni_run(s.bits, l->weight, l->scales, l->zeros, s.groups, s.gsize, l->bias, digits, sums, s.dstride,
-                        s.nblocks, y, ys, elem, m, l->n, s.kp, t0, t1);
+        llmopt_vnni_run(s.bits, s.amx, l->weight, l->scales, l->zeros, s.groups, s.gsize, l->bias, digits, sums,
+                        s.dstride, s.nblocks, y, ys, elem, m, l->n, s.kp, t0, t1);
         return;
     }
     tile_rows_fn rows = s.bits == 4 ? w4_tile_rows : w8_tile_rows;

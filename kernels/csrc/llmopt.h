@@ -101,8 +101,13 @@ void llmopt_rope_row(void *x, const void *cs, int64_t heads, int64_t d, int elem
  * nothing). */
 int llmopt_gemv_vnni(void);
 void llmopt_vnni_sizes(int64_t kp, int64_t groups, int64_t gsize, int64_t *dstride, int64_t *nblocks);
-void llmopt_vnni_quantize(const float *row, int64_t gsize, int64_t groups, int8_t *d, float *xs);
-void llmopt_vnni_run(int bits, const void *tiles, const float *scales, const void *zeros, int64_t groups,
+void llmopt_vnni_quantize(const float *row, int64_t gsize, int64_t groups, int8_t *d, float *xs, int64_t amx_stride);
+/* 1 where the AMX-INT8 form takes a linear of these sizes on this machine (then for every M). */
+int llmopt_vnni_amx(int64_t kp, int64_t gsize);
+void llmopt_vnni_run_amx(int bits, const void *tiles, const float *scales, const void *zeros, int64_t groups,
+                         int64_t gsize, const float *bias, const int8_t *digits, const float *sums, int64_t nblocks,
+                         void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t kp, int64_t t0, int64_t t1);
+void llmopt_vnni_run(int bits, int whole, const void *tiles, const float *scales, const void *zeros, int64_t groups,
                      int64_t gsize, const float *bias, const int8_t *digits, const float *sums, int64_t dstride,
                      int64_t nblocks, void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t kp, int64_t t0,
                      int64_t t1);

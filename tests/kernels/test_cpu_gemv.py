@@ -1,5 +1,7 @@
 """Native CPU GEMVs (dense fp32/bf16 and int4 tiles) and per-layer ops against float64 / transformers-style
 references; every output must not depend on how many rows share the call."""
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -173,3 +175,38 @@ def test_quantized_gemvs_hold_fp32_accuracy_with_outliers_zero_rows_and_many_row
         assert torch.equal(y[2], torch.zeros(44))
         for i in (0, 1, 16, 17):
             assert torch.equal(gemv(x[i:i + 1], weight)[0], y[i])
+
+
+def _amx_int8_cpu() -> bool:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "amx_int8" in flags and "amx_tile" in flags
+
+
+def test_the_amx_form_is_taken_where_the_cpu_has_amx_int8():
+    # groups of whole 64-input chunks go to the AMX-INT8 form for more than one row; elsewhere vpdpbusd
+    taken = cpu_native.native_function("llmopt_vnni_amx", [ctypes.c_int64, ctypes.c_int64])
+    assert taken(576, 64) == int(_amx_int8_cpu()) and taken(576, 32) == 0 and taken(96, 96) == 0
+
+
+@pytest.mark.parametrize("n,k,group,asym", [(100, 576, 64, True), (3072 // 16, 576, 64, False), (40, 1536, 128, True),
+                                            (36, 576, 192, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_rows_are_the_same_alone_as_in_any_batch_on_every_form(n, k, group, asym, dtype):
+    # one row runs on vpdpbusd, more on AMX-INT8 where the CPU has it (5 rows a tile, 10 per pass, a partial
+    # group of tiles at the end): a row's outputs must be bit-identical in every case, and accurate
+    weight, dense = _w4_case(n, k, group, asym, seed=n)
+    x = _rand(12, k, seed=k, dtype=dtype)
+    g = torch.Generator().manual_seed(group)
+    q8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    s8 = torch.rand(n, k // group, generator=g) * 0.1 + 0.01
+    w8 = cpu_native.Int8Weight(q8, s8, None, group)
+    dense8 = q8.double() * s8.double().repeat_interleave(group, 1)
+    for fn, w, d in ((cpu_native.gemv_w4, weight, dense), (cpu_native.gemv_w8, w8, dense8)):
+        alone = torch.cat([fn(x[i:i + 1], w) for i in range(12)])
+        tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(alone.double(), x.double() @ d.T, **tol)
+        for m in (2, 3, 5, 6, 10, 11, 12):
+            assert torch.equal(fn(x[:m], w), alone[:m]), (fn.__name__, m)
