@@ -28,6 +28,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
+#define VNNI_BUILD 1
 
 #define XMAX 8323072.0f /* 127 * 2^16: the top digit stays within [-127, 127] */
 #define BLOCK 256       /* inputs per block at most: each digit's int32 sums stay below 2^24, exact in fp32 */
@@ -255,6 +256,30 @@ void llmopt_vnni_run(int bits, int whole, const void *tiles, const float *scales
     }
 }
 
+#else
+/* Not built with VNNI: llmopt_gemv_vnni() says so, and gemv.c never calls the others. */
+int llmopt_gemv_vnni(void) { return 0; }
+
+void llmopt_vnni_sizes(int64_t kp, int64_t groups, int64_t gsize, int64_t *dstride, int64_t *nblocks) {
+    (void)kp; (void)groups; (void)gsize;
+    *dstride = *nblocks = 0;
+}
+
+void llmopt_vnni_quantize(const float *row, int64_t gsize, int64_t groups, int8_t *d, float *xs, int64_t amx_stride) {
+    (void)row; (void)gsize; (void)groups; (void)d; (void)xs; (void)amx_stride;
+}
+
+
+void llmopt_vnni_run(int bits, int whole, const void *tiles, const float *scales, const void *zeros, int64_t groups,
+                     int64_t gsize, const float *bias, const int8_t *digits, const float *sums, int64_t dstride,
+                     int64_t nblocks, void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t kp, int64_t t0,
+                     int64_t t1) {
+    (void)bits; (void)whole; (void)tiles; (void)scales; (void)zeros; (void)groups; (void)gsize; (void)bias; (void)digits;
+    (void)sums; (void)dstride; (void)nblocks; (void)y; (void)ys; (void)elem; (void)m; (void)n; (void)kp; (void)t0;
+    (void)t1;
+}
+#endif
+
 /* The same GEMVs on AMX-INT8 tiles, for more than one row of x: on vpdpbusd each further row costs six more
  * instructions per 64 bytes of weights (about half a memory-bound row's time), on TDPBSUD a tile holds 5 rows'
  * three digits. The digits, block sums and fp32 arithmetic are those above, except that a block's int32 sums
@@ -264,7 +289,7 @@ void llmopt_vnni_run(int bits, int whole, const void *tiles, const float *scales
  * Tiles (palette 1): 0 = B, 16 quads of inputs x 16 outputs (4 of our tiles) x 4 bytes, unsigned codes;
  * 1, 2 = A, digits of up to 5 x rows each (row 3i + t: digit t of x row i, 64 inputs); 3, 4 = C, int32
  * [3 rows of x per digit][16 outputs]. */
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if defined(VNNI_BUILD) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define AMX_ROWS 5 /* x rows per A tile: 3 digits each, 15 of its 16 rows */
 
 int llmopt_amx_available(void);
@@ -434,39 +459,5 @@ void llmopt_vnni_run_amx(int bits, const void *tiles, const float *scales, const
                          void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t kp, int64_t t0, int64_t t1) {
     (void)bits; (void)tiles; (void)scales; (void)zeros; (void)groups; (void)gsize; (void)bias; (void)digits;
     (void)sums; (void)nblocks; (void)y; (void)ys; (void)elem; (void)m; (void)n; (void)kp; (void)t0; (void)t1;
-}
-#endif
-#else
-/* Not built with VNNI: llmopt_gemv_vnni() says so, and gemv.c never calls the others. */
-int llmopt_gemv_vnni(void) { return 0; }
-
-void llmopt_vnni_sizes(int64_t kp, int64_t groups, int64_t gsize, int64_t *dstride, int64_t *nblocks) {
-    (void)kp; (void)groups; (void)gsize;
-    *dstride = *nblocks = 0;
-}
-
-void llmopt_vnni_quantize(const float *row, int64_t gsize, int64_t groups, int8_t *d, float *xs, int64_t amx_stride) {
-    (void)row; (void)gsize; (void)groups; (void)d; (void)xs; (void)amx_stride;
-}
-
-int llmopt_vnni_amx(int64_t kp, int64_t gsize) {
-    (void)kp; (void)gsize;
-    return 0;
-}
-
-void llmopt_vnni_run_amx(int bits, const void *tiles, const float *scales, const void *zeros, int64_t groups,
-                         int64_t gsize, const float *bias, const int8_t *digits, const float *sums, int64_t nblocks,
-                         void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t kp, int64_t t0, int64_t t1) {
-    (void)bits; (void)tiles; (void)scales; (void)zeros; (void)groups; (void)gsize; (void)bias; (void)digits;
-    (void)sums; (void)nblocks; (void)y; (void)ys; (void)elem; (void)m; (void)n; (void)kp; (void)t0; (void)t1;
-}
-
-void llmopt_vnni_run(int bits, int whole, const void *tiles, const float *scales, const void *zeros, int64_t groups,
-                     int64_t gsize, const float *bias, const int8_t *digits, const float *sums, int64_t dstride,
-                     int64_t nblocks, void *y, int64_t ys, int elem, int64_t m, int64_t n, int64_t kp, int64_t t0,
-                     int64_t t1) {
-    (void)bits; (void)whole; (void)tiles; (void)scales; (void)zeros; (void)groups; (void)gsize; (void)bias; (void)digits;
-    (void)sums; (void)dstride; (void)nblocks; (void)y; (void)ys; (void)elem; (void)m; (void)n; (void)kp; (void)t0;
-    (void)t1;
 }
 #endif
