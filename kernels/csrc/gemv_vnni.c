@@ -282,9 +282,10 @@ void llmopt_vnni_run(int bits, int whole, const void *tiles, const float *scales
 
 /* The same GEMVs on AMX-INT8 tiles, for more than one row of x: on vpdpbusd each further row costs six more
  * instructions per 64 bytes of weights (about half a memory-bound row's time), on TDPBSUD a tile holds 5 rows'
- * three digits. The digits, block sums and fp32 arithmetic are those above, except that a block's int32 sums
- * come whole per output (vpdpbusd leaves them in 4 lanes per output, summed in fp32 at the end): where this
- * path runs it runs for every M, so a sequence's logits still do not depend on the batch.
+ * three digits. The digits and block figures are those above; a block's int32 sums come whole per output, then
+ * go through block_whole. A single row stays on vpdpbusd (it streams faster there) in its `whole` form, which
+ * sums each output's 4 lanes in int32 before the same block_whole: a row's outputs are bit-identical alone
+ * or in a batch, so a sequence's logits still do not depend on it.
  *
  * Tiles (palette 1): 0 = B, 16 quads of inputs x 16 outputs (4 of our tiles) x 4 bytes, unsigned codes;
  * 1, 2 = A, digits of up to 5 x rows each (row 3i + t: digit t of x row i, 64 inputs); 3, 4 = C, int32
