@@ -208,12 +208,15 @@ _ELEM = {torch.float32: 0, torch.bfloat16: 1}
 # bf16: 11 vs 16 at 1, 11-13 vs 17 at 2, 16 vs 14 at 4; int4 layers: 3.8-5.1 vs 5.0-5.5 at 1, mostly
 # 4.6-6.0 vs 5.8-6.3 at 2, level at 3-4; noisy machine). Int4 since the VNNI GEMV (gemv_vnni.c): the native
 # GEMV beat torch's int4 kernel up to 8 rows (1.70 vs 1.84 ms at 8, before VNNI made it faster still), and
-# speculative verify steps of K <= 7 drafts then stay on the fused decode step.
+# speculative verify steps of K <= 7 drafts then stay on the fused decode step. Since the AMX-INT8 form of the
+# quantized GEMVs (gemv_vnni.c, more than one row where the CPU has it) up to 16: a batch-16 decode step of the
+# W4A16 + int8-embeddings SmolLM2 took 25.3 ms against 39.2 with 8 (the AMX bf16 prefill kernel above it), batch
+# 12 21.4 against 34.2; at 32 rows the two are level (49.5 and 49.3 ms). 2 threads, 2026-12-06.
 GEMV_MAX_ROWS = {torch.float32: 4, torch.bfloat16: 2}
-W4_MAX_ROWS = 8
+W4_MAX_ROWS = 16
 # int8 (30 layers): native 4.0-4.8 ms at 1 row, 15.1-16.4 at 8, against 8.6-22.9 for torch's int8 kernel
-# (channel-wise) and 17.2-21.9 for the fp32 dense fallback (group-wise, which torch has no kernel for).
-W8_MAX_ROWS = 8
+# (channel-wise) and 17.2-21.9 for the fp32 dense fallback (group-wise, which torch has no kernel for). 16 as W4.
+W8_MAX_ROWS = 16
 
 
 def gemv_available() -> bool:

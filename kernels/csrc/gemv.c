@@ -207,6 +207,10 @@ static void w4_tile_rows(const void *p, const float *s, const void *z, int64_t g
 }
 #endif
 
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 2 /* rows of x from which the AMX form runs, where it can (shape_t.amx) */
+#endif
+
 typedef void (*tile_rows_fn)(const void *p, const float *s, const void *z, int64_t groups, int64_t gsize,
                              const float *xf, int64_t kp, int64_t m, float *out);
 
@@ -330,7 +334,7 @@ void llmopt_gemv_load_row(const llmopt_linear *l, const void *x, int elem, int64
     linear_shape(l, &s);
     scratch_parts(&s, scratch, m, &digits, &xf, &sums);
     load_row(x, elem, l->k, s.kp, xf + i * s.kp);
-    int amx = s.amx && m > 1; /* the AMX layout: chunks of 64 inputs, each with every row's 3 x 64 digit bytes */
+    int amx = s.amx && m >= AMX_MIN_ROWS; /* AMX layout: chunks of 64 inputs, each with all rows. 3 x 64 digits */
     if (s.vnni && s.bits)
         llmopt_vnni_quantize(xf + i * s.kp, s.gsize, s.groups, amx ? digits + i * 192 : digits + i * s.dstride,
                              sums + i * 2 * s.nblocks, amx ? m * 192 : 0);
@@ -347,7 +351,7 @@ void llmopt_gemv_run(const llmopt_linear *l, const void *scratch, int64_t m, voi
         dense_tiles(xf, l->weight, (int)l->welem, l->bias, y, ys, elem, m, l->n, s.kp, t0, t1);
         return;
     }
-    if (s.amx && m > 1) { /* one row streams faster on vpdpbusd, in the form that rounds as AMX does */
+    if (s.amx && m >= AMX_MIN_ROWS) { /* fewer rows stream faster on vpdpbusd, in the form rounding as AMX does */
         llmopt_vnni_run_amx(s.bits, l->weight, l->scales, l->zeros, s.groups, s.gsize, l->bias, digits, sums,
                             s.nblocks, y, ys, elem, m, l->n, s.kp, t0, t1);
         return;

@@ -188,20 +188,23 @@ static inline void finish(__m512 acc, float *out) {
     _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, t)));
 }
 
-/* `whole`: the form whose outputs equal the AMX form's (a single row of x: see llmopt_vnni_run). */
+/* `whole`: the form whose outputs equal the AMX form's (the rows below AMX_MIN_ROWS, see llmopt_vnni_run). */
 static void tile_rows(int bits, int whole, const uint8_t *p, const float *s, const uint8_t *z, int64_t groups,
                       int64_t gsize, const int8_t *digits, const float *sums, int64_t dstride, int64_t nblocks,
                       int64_t m, float bias, float *out) {
-    if (whole) {
-        const int8_t *dig[1] = {digits};
-        const float *sm[1] = {sums};
-        __m512 acc[1] = {_mm512_setzero_ps()};
-        if (bits == 4) tile_blocks(4, 1, 1, p, s, z, groups, gsize, dig, sm, bias, acc);
+    for (int64_t i = 0; whole && i < m; i += 2) {
+        const int8_t *dig[2] = {digits + i * dstride, digits + (i + 1 < m ? i + 1 : i) * dstride};
+        const float *sm[2] = {sums + i * 2 * nblocks, sums + (i + 1 < m ? i + 1 : i) * 2 * nblocks};
+        __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        int two = i + 1 < m;
+        if (bits == 4 && two) tile_blocks(4, 2, 1, p, s, z, groups, gsize, dig, sm, bias, acc);
+        else if (bits == 4) tile_blocks(4, 1, 1, p, s, z, groups, gsize, dig, sm, bias, acc);
+        else if (two) tile_blocks(8, 2, 1, p, s, z, groups, gsize, dig, sm, bias, acc);
         else tile_blocks(8, 1, 1, p, s, z, groups, gsize, dig, sm, bias, acc);
-        _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, acc[0])));
-        return;
+        for (int r = 0; r <= two; r++) /* every lane of an output holds it: the first of each 4 */
+            _mm_storeu_ps(out + (i + r) * 4, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, acc[r])));
     }
-    for (int64_t i = 0; i < m; i += 2) {
+    for (int64_t i = 0; !whole && i < m; i += 2) {
         const int8_t *dig[2] = {digits + i * dstride, digits + (i + 1 < m ? i + 1 : i) * dstride};
         const float *sm[2] = {sums + i * 2 * nblocks, sums + (i + 1 < m ? i + 1 : i) * 2 * nblocks};
         __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -242,7 +245,7 @@ void llmopt_vnni_run(int bits, int whole, const void *tiles, const float *scales
         const uint8_t *z = zeros ? (const uint8_t *)zeros + t * groups * 4 : NULL;
         for (int64_t i0 = 0; i0 < m; i0 += 16) {
             int64_t mm = m - i0 < 16 ? m - i0 : 16;
-            tile_rows(bits, whole && m == 1, (const uint8_t *)tiles + t * tile_bytes, scales + t * groups * 4, z,
+            tile_rows(bits, whole, (const uint8_t *)tiles + t * tile_bytes, scales + t * groups * 4, z,
                       groups, gsize,
                       digits + i0 * dstride, sums + i0 * 2 * nblocks, dstride, nblocks, mm, code_bias + zero_bias,
                       out);
@@ -376,7 +379,7 @@ void llmopt_vnni_run_amx(int bits, const void *tiles, const float *scales, const
     size_t tile_bytes = (size_t)(4 * kp * bits / 8);
     const float base_offset = (zeros ? 0.0f : (bits == 4 ? 8.0f : 0.0f)) + (bits == 8 ? 128.0f : 0.0f);
     const int64_t stride = m * 3 * 64; /* bytes between chunks of 64 inputs in the A layout */
-    uint8_t btile[1024] __attribute__((aligned(64)));
+    uint8_t btile[BLOCK / 64 * 1024] __attribute__((aligned(64))); /* a block's B tiles */
     int32_t cbuf[2][16 * 16] __attribute__((aligned(64)));
     for (int64_t i0 = 0; i0 < m; i0 += 2 * AMX_ROWS) {
         int rows0 = (int)(m - i0 < AMX_ROWS ? m - i0 : AMX_ROWS);
@@ -412,9 +415,10 @@ void llmopt_vnni_run_amx(int bits, const void *tiles, const float *scales, const
                     int64_t b1 = b0 + BLOCK < (g + 1) * gsize ? b0 + BLOCK : (g + 1) * gsize;
                     _tile_zero(3);
                     if (rows1) _tile_zero(4);
+                    /* the block's B tiles first: a tile load right after the stores that wrote it waits for them */
+                    for (int64_t c = b0; c < b1; c += 64) b_tile(bits, p, c, btile + (c - b0) * 16);
                     for (int64_t c = b0; c < b1; c += 64) {
-                        b_tile(bits, p, c, btile);
-                        _tile_loadd(0, btile, 64);
+                        _tile_loadd(0, btile + (c - b0) * 16, 64);
                         const int8_t *a = digits + (c / 64) * stride + i0 * 3 * 64;
                         _tile_loadd(1, a, 64);
                         _tile_dpbsud(3, 1, 0);

@@ -153,7 +153,9 @@ NATIVE_CASES = {  # (format, tensors, group size, the kernel just beyond the GEM
                     "llmopt::amx_w4_matmul" if cpu_prefill.amx_available() else "aten::_weight_int4pack_mm_for_cpu"),
     "w4-n36-prefill": ("w4a16", lambda: quantize_int4(torch.randn(36, 128), 32, True), 32,  # N % 16: no int4 kernel
                        "llmopt::dequantize_w4"),
-    "w8-int8pack": ("w8a16", lambda: quantize_int8(torch.randn(64, 128)), None, "aten::_weight_int8pack_mm"),
+    # W8 beyond the GEMV's 16 rows: torch's int8 route, which hands 16 rows and more to the prefill kernel
+    "w8-int8pack": ("w8a16", lambda: quantize_int8(torch.randn(64, 128)), None,
+                    "llmopt::amx_w8_matmul" if cpu_prefill.amx_available() else "llmopt::dequantize_w8"),
     "w8-group-prefill": ("w8a16", lambda: _group_wise_int8(64, 128, 32), 32,
                          "llmopt::amx_w8_matmul" if cpu_prefill.amx_available() else "llmopt::dequantize_w8"),
 }
