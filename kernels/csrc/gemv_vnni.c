@@ -192,29 +192,28 @@ static inline void finish(__m512 acc, float *out) {
 static void tile_rows(int bits, int whole, const uint8_t *p, const float *s, const uint8_t *z, int64_t groups,
                       int64_t gsize, const int8_t *digits, const float *sums, int64_t dstride, int64_t nblocks,
                       int64_t m, float bias, float *out) {
-    for (int64_t i = 0; whole && i < m; i += 2) {
+    for (int64_t i = 0; i < m; i += 2) {
         const int8_t *dig[2] = {digits + i * dstride, digits + (i + 1 < m ? i + 1 : i) * dstride};
         const float *sm[2] = {sums + i * 2 * nblocks, sums + (i + 1 < m ? i + 1 : i) * 2 * nblocks};
         __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         int two = i + 1 < m;
-        if (bits == 4 && two) tile_blocks(4, 2, 1, p, s, z, groups, gsize, dig, sm, bias, acc);
-        else if (bits == 4) tile_blocks(4, 1, 1, p, s, z, groups, gsize, dig, sm, bias, acc);
-        else if (two) tile_blocks(8, 2, 1, p, s, z, groups, gsize, dig, sm, bias, acc);
-        else tile_blocks(8, 1, 1, p, s, z, groups, gsize, dig, sm, bias, acc);
-        for (int r = 0; r <= two; r++) /* every lane of an output holds it: the first of each 4 */
-            _mm_storeu_ps(out + (i + r) * 4, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, acc[r])));
-    }
-    for (int64_t i = 0; !whole && i < m; i += 2) {
-        const int8_t *dig[2] = {digits + i * dstride, digits + (i + 1 < m ? i + 1 : i) * dstride};
-        const float *sm[2] = {sums + i * 2 * nblocks, sums + (i + 1 < m ? i + 1 : i) * 2 * nblocks};
-        __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-        int two = i + 1 < m;
-        if (bits == 4 && two) tile_blocks(4, 2, 0, p, s, z, groups, gsize, dig, sm, bias, acc);
-        else if (bits == 4) tile_blocks(4, 1, 0, p, s, z, groups, gsize, dig, sm, bias, acc);
-        else if (two) tile_blocks(8, 2, 0, p, s, z, groups, gsize, dig, sm, bias, acc);
-        else tile_blocks(8, 1, 0, p, s, z, groups, gsize, dig, sm, bias, acc);
-        finish(acc[0], out + i * 4);
-        if (two) finish(acc[1], out + (i + 1) * 4);
+        if (whole) { /* specialised: the flag is a constant inside tile_blocks */
+            if (bits == 4 && two) tile_blocks(4, 2, 1, p, s, z, groups, gsize, dig, sm, bias, acc);
+            else if (bits == 4) tile_blocks(4, 1, 1, p, s, z, groups, gsize, dig, sm, bias, acc);
+            else if (two) tile_blocks(8, 2, 1, p, s, z, groups, gsize, dig, sm, bias, acc);
+            else tile_blocks(8, 1, 1, p, s, z, groups, gsize, dig, sm, bias, acc);
+        } else {
+            if (bits == 4 && two) tile_blocks(4, 2, 0, p, s, z, groups, gsize, dig, sm, bias, acc);
+            else if (bits == 4) tile_blocks(4, 1, 0, p, s, z, groups, gsize, dig, sm, bias, acc);
+            else if (two) tile_blocks(8, 2, 0, p, s, z, groups, gsize, dig, sm, bias, acc);
+            else tile_blocks(8, 1, 0, p, s, z, groups, gsize, dig, sm, bias, acc);
+        }
+        for (int r = 0; r <= two; r++) {
+            if (whole) /* every lane of an output holds it: the first of each 4 */
+                _mm_storeu_ps(out + (i + r) * 4, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, acc[r])));
+            else
+                finish(acc[r], out + (i + r) * 4);
+        }
     }
 }
 
