@@ -19,6 +19,8 @@ def run(source: Source,
         seqlen: Seqlen = D.seqlen, max_windows: MaxWindows = D.max_windows,
         ref: Annotated[Optional[str], typer.Option("--ref", help="Reference source for mean KL divergence.")] = D.ref,
         dtype: DTypeOpt = DType(D.dtype),
+        runtime: Annotated[str, typer.Option("--runtime", help="What computes the logits: transformers, or serve "
+                                             "(llmopt's serve runtime and kernels).")] = D.runtime,
         store: Annotated[bool, typer.Option("--store/--no-store", help="Save the result in the artifact's manifest.")] = True,
         json: Json = False) -> None:
     from llmopt.stages.eval.config import EvalConfig

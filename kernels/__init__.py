@@ -9,8 +9,9 @@ is chosen; "auto" | "cpu-native" | "cpu-torch" | "triton" | "reference"):
     triton      the Triton kernels below, compiled on CUDA; on CPU tensors Triton's interpreter (tests)
     reference   every op's `*_ref` torch twin, on any device: the exact reference tests compare against
 A backend builds the projection modules from loaded tensors (`dense_linear`, `quantized_linear`: each
-module's kernels are fixed then), runs `rms_norm` and `silu_and_mul`, builds a step's `attention` from its
-`StepMetadata`, the `fused_decode` step where it has one, and `prebuild`s per-shape matmul primitives.
+module's kernels are fixed then), runs `rms_norm`, `silu_and_mul` and `gelu_tanh_and_mul`, builds a step's
+`attention` from its `StepMetadata` (and the layer's sliding `window`), the `fused_decode` step where it has
+one, and `prebuild`s per-shape matmul primitives.
 
 Ops. Each takes `backend=None|"triton"|"torch"`: "torch" runs the op's `*_ref` twin, "triton" the kernel
 (interpreted on CPU tensors), None picks from the tensor's device (CUDA -> Triton, else the twin). The
@@ -21,6 +22,7 @@ Elementwise / norms
     rms_norm(x, weight, eps=1e-6, residual=None, backend=None) -> out | (out, x + residual)
         Triton path updates `residual` in place and returns it.
     silu_and_mul(x, backend=None)              x [..., 2I] = gate||up -> [..., I]
+    gelu_tanh_and_mul(x, backend=None)         x [..., 2I] = gate||up -> gelu(gate, approximate="tanh") * up
     apply_rotary(q, k, positions, cos_sin_cache, is_neox=True, backend=None) -> (q, k), in place
     build_cos_sin_cache(head_dim, max_positions, theta=1e4, rope_scaling=None, rotary_dim=None)
         -> [max_positions, rotary_dim] = cos || sin; rope_scaling: HF dict, types default/linear/llama3
@@ -50,20 +52,21 @@ Paged KV cache: k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim]
 slot = block * block_size + offset; block_tables [S, max_blocks] int32; context_lens [S] int32
 counts cached tokens *including* the ones being computed.
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping, backend=None)          slot < 0: skipped
-    paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, backend=None)
-    paged_attention_prefill(q, k, v, k_cache, v_cache, meta: StepMetadata, scale, backend=None)
+    paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, backend=None, window=None)
+    paged_attention_prefill(q, k, v, k_cache, v_cache, meta: StepMetadata, scale, backend=None, window=None)
         writes k/v by meta.slot_mapping, then causal attention of packed q (meta.cu_seqlens_q)
         over each sequence's cache: cached prefix + new tokens (chunked prefill, shared prefixes).
+        window: sliding window, a query at p sees keys p - window < k <= p; rows before it are never read.
 
 Native CPU kernels (`cpu_native`: C in `csrc/`, built with gcc at first use; `available()`/`why_unavailable()`)
-    cpu_native.paged_decode(q, kv_rows, block_tables, context_lens, scale, block_size)
+    cpu_native.paged_decode(q, kv_rows, block_tables, context_lens, scale, block_size, window=None)
         decode attention read in place from a layer's cache rows [slots, K || V]; fp32 / bf16
     cpu_native.gemv(x, DenseWeight(w), bias) / gemv_w4(x, Int4Weight(q, scales, zeros, group), bias)
         / gemv_w8(x, Int8Weight(q, scales, zeros, group), bias)
         decode-sized matmuls (AVX-512) on weights tiled once at load time, streamed once per call;
         batch-invariant; fp32 arithmetic (W4A16 and W8A16 too: with AVX512-VNNI, csrc/gemv_vnni.c, integer
         dot products on x held as a 24-bit fixed point per block of inputs)
-    cpu_native.add_rms_norm / silu_mul / rope_: a layer's small ops, one call each
+    cpu_native.add_rms_norm / silu_mul / gelu_tanh_mul / rope_: a layer's small ops, one call each
     cpu_native.DecodeLayers(...).run(...): every decoder layer of a decode step in one call (`fused_decode`)
     cpu_prefill.prefill_matmul(x, pack_w4a16_prefill(...) / pack_w8a16_prefill(...))
         prefill-sized W4A16/W8A16 matmuls: AMX on panels dequantized into tile layout (`csrc/amx_wq.c`), else
@@ -116,6 +119,7 @@ if __name__ == "kernels":
 _EXPORTS = {
     "rms_norm": "norm", "rms_norm_ref": "norm",
     "silu_and_mul": "activation", "silu_and_mul_ref": "activation",
+    "gelu_tanh_and_mul": "activation", "gelu_tanh_and_mul_ref": "activation",
     "apply_rotary": "rotary", "apply_rotary_ref": "rotary", "build_cos_sin_cache": "rotary",
     "w4a16_matmul": "wq_matmul", "w4a16_matmul_ref": "wq_matmul", "w4a16_dequantize": "wq_matmul",
     "dequantize": "wq_matmul",

@@ -13,10 +13,11 @@ given), else cpu-torch. A name that cannot run here raises KernelBackendError wi
 
 A backend owns everything whose kernel depends on the device: it builds each projection module from
 the loaded tensors (`dense_linear`, `quantized_linear`: the module's kernels are fixed then, see
-`linear.RoutedLinear`), runs the norm and SwiGLU, builds each step's attention object (RoPE, cache
-writes and paged attention, planned once per step from its `StepMetadata`), builds the fused
-whole-model decode step where it has one, and prebuilds per-shape matmul primitives where they
-exist (CPU oneDNN row buckets). The model code calls these and nothing else device-specific.
+`linear.RoutedLinear`), runs the norm and the gated activations (SwiGLU, GeGLU), builds each step's
+attention object (RoPE, cache writes and paged attention, planned once per step from its `StepMetadata`,
+with a sliding window where the layer has one), builds the fused whole-model decode step where it has
+one, and prebuilds per-shape matmul primitives where they exist (CPU oneDNN row buckets). The model code
+calls these and nothing else device-specific.
 """
 from __future__ import annotations
 
@@ -64,9 +65,15 @@ class Backend(Protocol):
     def silu_and_mul(self, x):
         """silu(gate) * up on the fused gate||up rows [T, 2I] -> [T, I]."""
 
+    def gelu_tanh_and_mul(self, x):
+        """gelu(gate, approximate="tanh") * up on the fused gate||up rows [T, 2I] -> [T, I] (GeGLU: Gemma's MLP)."""
+
     def attention(self, meta: StepMetadata, cos_sin_cache: torch.Tensor, scale: float, block_size: int,
-                  dtype: torch.dtype) -> StepAttention:
-        """The attention object of one step, planned once from `meta`."""
+                  dtype: torch.dtype, window: int | None = None) -> StepAttention:
+        """The attention object of one step, planned once from `meta`. `window`: sliding-window attention, a
+        query at position p sees the keys p - window < k <= p (transformers' `sliding_window_overlay`), and
+        cache rows older than every query's window are never read (their blocks may have been freed);
+        None: full causal attention."""
 
     def fused_decode(self, layers: Sequence) -> object | None:
         """The whole-model decode step built from the decoder layers, or None where this backend has none.

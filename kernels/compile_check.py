@@ -54,6 +54,7 @@ INTER = (100, 14336)
 HEAD_DIMS = (64, 128)
 GQA = ((4, 4), (9, 3), (32, 8))  # (q heads, kv heads): MHA, SmolLM2, Llama-3-8B
 BLOCK_SIZE = 16  # KV-cache block size (the engine's default)
+WINDOWS = (None, 4096)  # full causal; a sliding window (Gemma 3, Phi-3 and Mistral-style layers)
 
 
 def _t(*shape, dtype=torch.float32):
@@ -69,6 +70,8 @@ def _elementwise(ops, dtype, note):
     for inter in INTER:
         note(f"silu_and_mul inter={inter}")
         ops.silu_and_mul(_t(3, 2 * inter, dtype=dtype), backend="triton")
+        note(f"gelu_tanh_and_mul inter={inter}")
+        ops.gelu_tanh_and_mul(_t(3, 2 * inter, dtype=dtype), backend="triton")
 
 
 def _quantized(ops, dtype, note):
@@ -109,15 +112,19 @@ def _attention(ops, dtype, note):
                     ops.apply_rotary(q, k, _t(t, dtype=torch.int64), _t(4096, d), is_neox=neox, backend="triton")
                 tables = _t(seqs, 5, dtype=torch.int32)
                 ctx = _t(seqs, dtype=torch.int32)
-                if t == seqs:
-                    note(f"write_kv_cache + paged_attention_decode S={seqs} heads={hq}/{hk} head_dim={d}")
-                    ops.write_kv_cache(k, v, k_cache, v_cache, _t(t, dtype=torch.int64), backend="triton")
-                    ops.paged_attention_decode(q, k_cache, v_cache, tables, ctx, 0.125, backend="triton")
-                    continue
-                note(f"paged_attention_prefill T={t} S={seqs} heads={hq}/{hk} head_dim={d}")
-                meta = ops.StepMetadata(_t(t, dtype=torch.int64), _t(seqs + 1, dtype=torch.int32), ctx, tables,
-                                        _t(t, dtype=torch.int64), max_query_len=t // seqs)
-                ops.paged_attention_prefill(q, k, v, k_cache, v_cache, meta, 0.125, backend="triton")
+                for window in WINDOWS:
+                    if t == seqs:
+                        note(f"write_kv_cache + paged_attention_decode S={seqs} heads={hq}/{hk} head_dim={d} "
+                             f"window={window}")
+                        ops.write_kv_cache(k, v, k_cache, v_cache, _t(t, dtype=torch.int64), backend="triton")
+                        ops.paged_attention_decode(q, k_cache, v_cache, tables, ctx, 0.125, backend="triton",
+                                                   window=window)
+                        continue
+                    note(f"paged_attention_prefill T={t} S={seqs} heads={hq}/{hk} head_dim={d} window={window}")
+                    meta = ops.StepMetadata(_t(t, dtype=torch.int64), _t(seqs + 1, dtype=torch.int32), ctx, tables,
+                                            _t(t, dtype=torch.int64), max_query_len=t // seqs)
+                    ops.paged_attention_prefill(q, k, v, k_cache, v_cache, meta, 0.125, backend="triton",
+                                                window=window)
 
 
 SWEEPS = (_elementwise, _quantized, _attention)

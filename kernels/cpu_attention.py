@@ -13,6 +13,10 @@ token's key and value side by side, so one op writes or gathers both.
   it also plans the fused decode step (`fused_plan`).
 Prefill chunks go one sequence at a time (a few per step), a fresh prompt straight from its own k/v
 without a cache round trip.
+
+With a sliding `window` (a query at p sees keys p - window < k <= p) every path gathers or reads only the
+rows inside some query's window: older blocks may have been freed and hold other data (NaN too), and a
+masked NaN value still poisons SDPA's output. The fused decode step has no window (`fused_plan`).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_native
-from .paged_attention import StepMetadata
+from .paged_attention import StepMetadata, check_window, visible_keys, window_start
 
 # A batched decode call's fixed cost in keys: gather + SDPA + scatter of a group took ~60 us more than its
 # keys here, at ~0.15 us per key (fp32 and bf16, 30-layer SmolLM2 shapes).
@@ -34,7 +38,7 @@ class DecodeGroup:
     """Sequences with one new token and similar context lengths: attended in one batched SDPA call."""
 
     rows: slice | torch.Tensor  # their rows of the flat batch
-    gather: torch.Tensor  # [Bd * L] cache slots of positions 0..L-1 of each (padding: slot of position 0)
+    gather: torch.Tensor  # [Bd * L] cache slots of the L keys each sees (padding: slot of its first key)
     mask: torch.Tensor | None  # [Bd, 1, 1, L] True where a key exists; None when all are L long
 
 
@@ -52,15 +56,19 @@ class Prefill:
     """One sequence bringing several new tokens."""
 
     rows: slice
-    gather: torch.Tensor | None  # [C] cache slots of its C tokens; None: no cached prefix, use k/v directly
-    mask: torch.Tensor | None  # [L, C] causal mask shifted by the prefix; None: plain causal
+    gather: torch.Tensor | None  # [C] cache slots of the C keys its queries see; None: no cached prefix, use k/v
+    mask: torch.Tensor | None  # [L, C] causal (and window) mask shifted by the prefix; None: plain causal
 
 
-def _slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """[S, length] cache slot of positions 0..length-1 of each sequence's block table."""
+def _slots(block_tables: torch.Tensor, length: int, block_size: int, start: torch.Tensor | None = None) -> torch.Tensor:
+    """[S, length] cache slot of positions start..start+length-1 of each sequence's block table (start [S]:
+    the first position of each; None: 0)."""
     pos = torch.arange(length, device=block_tables.device)
-    blocks = block_tables[:, pos // block_size].long()  # [S, length]
-    return blocks * block_size + pos % block_size
+    if start is None:
+        blocks = block_tables[:, pos // block_size].long()  # [S, length]
+        return blocks * block_size + pos % block_size
+    pos = start.long()[:, None] + pos  # [S, length]
+    return block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
 
 
 def decode_groups(lens: list[int], overhead: int) -> list[list[int]]:
@@ -94,13 +102,14 @@ class CpuAttention:
     """RoPE and paged attention in plain torch, with the step's metadata precomputed.
 
     `group_overhead_keys`: a batched decode call's fixed cost in keys, which decides how decode
-    sequences are grouped (`decode_groups`).
+    sequences are grouped (`decode_groups`); `window`: the sliding window in keys (None: full causal).
     """
 
     def __init__(self, meta: StepMetadata, cos_sin_cache: torch.Tensor, scale: float, block_size: int,
-                 dtype: torch.dtype, group_overhead_keys: int = GROUP_OVERHEAD_KEYS):
+                 dtype: torch.dtype, group_overhead_keys: int = GROUP_OVERHEAD_KEYS, window: int | None = None):
+        check_window(window)
         self.meta, self.scale, self.block_size, self.dtype = meta, scale, block_size, dtype
-        self.group_overhead_keys = group_overhead_keys
+        self.group_overhead_keys, self.window = group_overhead_keys, window
         self.cos_sin = cos_sin_cache.index_select(0, meta.positions).to(dtype)  # [T, D] = cos || sin
         self.cu, self.ctx = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist()
         q_lens = [self.cu[i + 1] - self.cu[i] for i in range(len(self.ctx))]
@@ -112,20 +121,27 @@ class CpuAttention:
     def groups(self) -> list[DecodeGroup]:
         """The decode groups, planned on first use (the native kernel needs none)."""
         if self._groups is None:
-            lens = [self.ctx[i] for i in self.single]
+            lens = [self._seen(i) for i in self.single]
             parts = decode_groups(lens, self.group_overhead_keys) if self.single else []
             self._groups = [self._plan_group([self.single[j] for j in sorted(g)]) for g in parts]
         return self._groups
 
+    def _seen(self, seq: int) -> int:
+        """How many keys the decode sequence `seq` attends to: its context, or the window of it."""
+        return self.ctx[seq] if self.window is None else min(self.ctx[seq], self.window)
+
     def _plan_group(self, seqs: list[int]) -> DecodeGroup:
-        lens = [self.ctx[i] for i in seqs]
+        lens = [self._seen(i) for i in seqs]
         longest = max(lens)
         tables = self.meta.block_tables
         idx = torch.tensor(seqs, dtype=torch.long, device=tables.device)
-        gather = _slots(tables.index_select(0, idx), longest, self.block_size)  # [Bd, L]
+        lens_t = torch.tensor(lens, dtype=torch.long, device=idx.device)
+        # A window starts each sequence at its last `window` positions; then a shorter member (start 0) pads
+        # past its end, and the padding below takes the slot of its first key, never a row before a window.
+        start = None if self.window is None else self.meta.context_lens.index_select(0, idx).long() - lens_t
+        gather = _slots(tables.index_select(0, idx), longest, self.block_size, start)  # [Bd, L]
         mask = None
         if min(lens) != longest:
-            lens_t = self.meta.context_lens.index_select(0, idx)
             valid = torch.arange(longest, device=idx.device)[None, :] < lens_t[:, None]  # [Bd, L]
             gather = torch.where(valid, gather, gather[:, :1])
             mask = valid[:, None, None, :]
@@ -133,13 +149,18 @@ class CpuAttention:
 
     def _plan_prefill(self, seq: int) -> Prefill:
         start, end, ctx = self.cu[seq], self.cu[seq + 1], self.ctx[seq]
-        q_len = end - start
-        if ctx == q_len:
-            return Prefill(slice(start, end), None, None)
-        gather = _slots(self.meta.block_tables[seq:seq + 1], ctx, self.block_size)[0]  # [C]
-        q_pos = torch.arange(ctx - q_len, ctx, device=gather.device)
-        mask = torch.arange(ctx, device=gather.device)[None, :] <= q_pos[:, None]  # [L, C]
-        return Prefill(slice(start, end), gather, mask)
+        q_len, rows = end - start, slice(start, end)
+        if ctx == q_len and (self.window is None or self.window >= q_len):  # no key falls out of a window
+            return Prefill(rows, None, None)
+        first = window_start(ctx, q_len, self.window)  # keys before it: outside every query's window
+        device = self.meta.block_tables.device
+        q_pos = torch.arange(ctx - q_len, ctx, device=device)
+        mask = visible_keys(q_pos, torch.arange(first, ctx, device=device), self.window)  # [L, C]
+        if ctx == q_len:  # a fresh prompt longer than the window: its own k/v, masked
+            return Prefill(rows, None, mask)
+        tables = self.meta.block_tables[seq:seq + 1]
+        gather = _slots(tables, ctx - first, self.block_size, torch.tensor([first], device=device))[0]  # [C]
+        return Prefill(rows, gather, mask)
 
     def rotate(self, qk, q, k):
         """Rotate q and k in place; `qk` [T, (Hq + Hk) * D] is the q||k part of the fused projection."""
@@ -199,8 +220,8 @@ class NativeCpuAttention(CpuAttention):
     """CpuAttention with the native kernels: paged decode read in place and RoPE, where they take the dtype."""
 
     def __init__(self, meta: StepMetadata, cos_sin_cache: torch.Tensor, scale: float, block_size: int,
-                 dtype: torch.dtype, group_overhead_keys: int = GROUP_OVERHEAD_KEYS):
-        super().__init__(meta, cos_sin_cache, scale, block_size, dtype, group_overhead_keys)
+                 dtype: torch.dtype, group_overhead_keys: int = GROUP_OVERHEAD_KEYS, window: int | None = None):
+        super().__init__(meta, cos_sin_cache, scale, block_size, dtype, group_overhead_keys, window)
         self.native_rope = cpu_native.ops_supported(dtype)
         self.native = self._plan_native() if self.single and cpu_native.supports(dtype) else None
 
@@ -227,15 +248,19 @@ class NativeCpuAttention(CpuAttention):
     def attend_decode(self, q, flat, plan):
         if not isinstance(plan, NativeDecode):
             return super().attend_decode(q, flat, plan)
-        return cpu_native.paged_decode(q, flat, plan.block_tables, plan.context_lens, self.scale, self.block_size)
+        return cpu_native.paged_decode(q, flat, plan.block_tables, plan.context_lens, self.scale, self.block_size,
+                                       window=self.window)
 
     def fused_plan(self, rows: int, max_rows: int, cache_dtype: torch.dtype):
         """(cos_sin, slots, block_tables, context_lens, scale, block_size) for the fused decode step
         (`cpu_native.DecodeLayers.run`) when this step is one native decode token per sequence for at most
-        `max_rows` sequences, RoPE and cache native too; else None (the per-layer path runs)."""
+        `max_rows` sequences, RoPE and cache native too, and no context longer than the window (csrc/layer.c
+        attends to every cached row); else None (the per-layer path runs)."""
         plan = self.native
         if plan is None or self.prefills or not self.native_rope or rows > max_rows \
                 or plan.rows != slice(0, rows) or cache_dtype != self.cos_sin.dtype:
+            return None
+        if self.window is not None and max(self.ctx) > self.window:
             return None
         return (self.cos_sin, self.meta.slot_mapping, plan.block_tables, plan.context_lens, self.scale,
                 self.block_size)

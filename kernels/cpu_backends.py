@@ -15,7 +15,7 @@ Every projection gets its kernels here, once, at load time (see `linear.RoutedLi
 would dequantize the whole weight on every call (~8x slower than dense here), so it is dequantized once:
 as the layer itself (cpu-torch, or cpu-native where the GEMV cannot take it either), or as the layer's
 `dense` fallback beyond the GEMV's rows. oneDNN calls run on row buckets (`cpu_linear`). Norms,
-SwiGLU, RoPE and decode attention are torch ops on cpu-torch and native calls on cpu-native, which also
+SwiGLU/GeGLU, RoPE and decode attention are torch ops on cpu-torch and native calls on cpu-native, which also
 fuses a whole decode step (`fused_decode`).
 """
 from __future__ import annotations
@@ -125,9 +125,16 @@ class CpuTorchBackend:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
 
-    def attention(self, meta: StepMetadata, cos_sin_cache, scale: float, block_size: int, dtype) -> CpuAttention:
-        """The step's attention (RoPE, cache writes, paged attention), planned once from `meta`."""
-        return CpuAttention(meta, cos_sin_cache, scale, block_size, dtype, self.group_overhead_keys)
+    def gelu_tanh_and_mul(self, x):
+        """gelu(gate, approximate="tanh") * up on the fused gate||up rows [T, 2I] -> [T, I]."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)
+
+    def attention(self, meta: StepMetadata, cos_sin_cache, scale: float, block_size: int, dtype,
+                  window: int | None = None) -> CpuAttention:
+        """The step's attention (RoPE, cache writes, paged attention), planned once from `meta`; `window`: each
+        query sees only the last `window` positions up to its own (None: every one)."""
+        return CpuAttention(meta, cos_sin_cache, scale, block_size, dtype, self.group_overhead_keys, window)
 
     def fused_decode(self, layers) -> FusedDecode | None:
         """No fused decode step on torch's kernels: layers run one by one."""
@@ -186,8 +193,14 @@ class CpuNativeBackend(CpuTorchBackend):
             return cpu_native.silu_mul(x)
         return super().silu_and_mul(x)
 
-    def attention(self, meta: StepMetadata, cos_sin_cache, scale: float, block_size: int, dtype) -> CpuAttention:
-        return NativeCpuAttention(meta, cos_sin_cache, scale, block_size, dtype, self.group_overhead_keys)
+    def gelu_tanh_and_mul(self, x):
+        if cpu_native.ops_supported(x.dtype) and x.dim() == 2 and x.stride(-1) == 1:
+            return cpu_native.gelu_tanh_mul(x)
+        return super().gelu_tanh_and_mul(x)
+
+    def attention(self, meta: StepMetadata, cos_sin_cache, scale: float, block_size: int, dtype,
+                  window: int | None = None) -> CpuAttention:
+        return NativeCpuAttention(meta, cos_sin_cache, scale, block_size, dtype, self.group_overhead_keys, window)
 
     def fused_decode(self, layers) -> FusedDecode | None:
         """Every decoder layer of a decode step in one native call, where each part has a native form."""

@@ -123,7 +123,7 @@ def _library() -> ctypes.CDLL | None:
     for name in _FUNCTIONS.values():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
-        fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+        fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]
     i32 = ctypes.c_int
     lib.llmopt_gemv_fast.restype = i32
     lib.llmopt_gemv_fast.argtypes = []
@@ -137,6 +137,7 @@ def _library() -> ctypes.CDLL | None:
     lib.llmopt_gemv_w8.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i32, i64, i64, i64]
     for name, args in (("llmopt_add_rms_norm", [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, i32]),
                         ("llmopt_silu_mul", [ptr, i64, ptr, i64, i64, i64, i32]),
+                        ("llmopt_gelu_tanh_mul", [ptr, i64, ptr, i64, i64, i64, i32]),
                         ("llmopt_rope", [ptr, i64, ptr, i64, i64, i64, i64, i32])):
         getattr(lib, name).restype = i32
         getattr(lib, name).argtypes = args
@@ -165,12 +166,14 @@ def supports(dtype: torch.dtype) -> bool:
 
 @_traced
 def paged_decode(q: torch.Tensor, kv_rows: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 scale: float, block_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                 scale: float, block_size: int, out: torch.Tensor | None = None,
+                 window: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged cache, read in place.
 
     q [B, Hq, D] (heads and dim contiguous; any token stride); kv_rows [slots, 2 * Hk * D] contiguous, a
     layer's cache with one row K || V per slot (slot = block * block_size + offset); block_tables
-    [B, max_blocks] int32 with contiguous rows; context_lens [B] int32 contiguous.
+    [B, max_blocks] int32 with contiguous rows; context_lens [B] int32 contiguous. window: each sequence
+    attends to its last `window` rows only, and rows before them are never read (None: all of them).
     Returns out [B, Hq, D] in q's dtype (fp32 or bf16, the cache's dtype too).
     """
     lib = _library()
@@ -187,6 +190,8 @@ def paged_decode(q: torch.Tensor, kv_rows: torch.Tensor, block_tables: torch.Ten
     if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1 or context_lens.dtype != torch.int32 \
             or not context_lens.is_contiguous():
         raise ValueError("paged_decode: block_tables and context_lens must be int32 with contiguous rows")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"paged_decode: window must be None or a positive int, got {window!r}")
     if out is None:
         out = torch.empty(b, hq, d, dtype=q.dtype)
     if b == 0:
@@ -194,7 +199,7 @@ def paged_decode(q: torch.Tensor, kv_rows: torch.Tensor, block_tables: torch.Ten
     rc = getattr(lib, _FUNCTIONS[q.dtype])(
         q.data_ptr(), q.stride(0), kv_rows.data_ptr(), kv_rows.stride(0), block_tables.data_ptr(),
         block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), out.stride(0), b, hq, hk, d, block_size,
-        scale)
+        scale, window or 0)
     if rc:
         raise ValueError(f"paged_decode: unsupported shape (heads {hq}/{hk}, head dim {d} > 1024)"
                          if rc == 1 else "paged_decode: out of memory for the score buffer")
@@ -357,7 +362,7 @@ def gemv_w8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = Non
 
 # --- small per-layer ops (csrc/ops.c) -------------------------------------------------------------------
 def ops_supported(dtype: torch.dtype) -> bool:
-    """`add_rms_norm`, `silu_mul` and `rope_` run on this dtype here."""
+    """`add_rms_norm`, `silu_mul`, `gelu_tanh_mul` and `rope_` run on this dtype here."""
     return dtype in _ELEM and available()
 
 
@@ -387,15 +392,28 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     return out if residual is None else (out, residual)
 
 
+def _gated(name: str, gate_up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up by the C function `name` for the fused gate||up rows [T, 2I] -> [T, I]."""
+    lib = _library()
+    _rows_ok(gate_up, name)
+    t, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, inter, dtype=gate_up.dtype)
+    getattr(lib, f"llmopt_{name}")(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, t, inter,
+                                   _ELEM[gate_up.dtype])
+    return out
+
+
 @_traced
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for the fused gate||up rows [T, 2I] -> [T, I]."""
-    lib = _library()
-    _rows_ok(gate_up, "silu_mul")
-    t, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(t, inter, dtype=gate_up.dtype)
-    lib.llmopt_silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, t, inter, _ELEM[gate_up.dtype])
-    return out
+    return _gated("silu_mul", gate_up)
+
+
+@_traced
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up for the fused gate||up rows [T, 2I] -> [T, I] (in bf16 the gelu is
+    rounded before the product, as transformers' MLP rounds it)."""
+    return _gated("gelu_tanh_mul", gate_up)
 
 
 @_traced

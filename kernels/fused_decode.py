@@ -7,8 +7,10 @@ order and element type as the per-layer path, so its results are bit-identical
 
 It is built once from the runtime's layers (`FusedDecode.build`) and exists only where every part has a
 native form: fp32/bf16 on CPU with the AVX-512 GEMVs, each projection on a native GEMV (dense, int4 or
-int8; not W8A8, mixed-scheme projections or tensor-parallel wrappers). A step runs through it when its
-attention's plan allows (`NativeCpuAttention.fused_plan`); otherwise the caller runs the layers one by one.
+int8; not W8A8, mixed-scheme projections or tensor-parallel wrappers), and a SiLU gate (`layer.c` runs
+SwiGLU only). A step runs through it when its attention's plan allows (`NativeCpuAttention.fused_plan`,
+which also refuses a step whose sliding window would matter: `layer.c` has none); otherwise the caller runs
+the layers one by one.
 """
 from __future__ import annotations
 
@@ -51,6 +53,8 @@ class FusedDecode:
             return None
         described, keep, rows = [], [], []
         for layer in layers:
+            if getattr(layer, "activation", "silu") != "silu":  # GeGLU (Gemma): layer.c would run SwiGLU
+                return None
             natives = [getattr(p, "native", None) for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
             norms = (layer.input_norm, layer.post_norm)
             if any(n is None for n in natives) or any(t.dtype != dtype or not t.is_contiguous() for t in norms):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .activation import silu_and_mul
+from .activation import gelu_tanh_and_mul, silu_and_mul
 from .kv_cache import write_kv_cache
 from .linear import QUANTIZED
 from .norm import rms_norm
@@ -36,10 +36,13 @@ class TorchLinear(nn.Module):
 
 
 class KernelAttention:
-    """RoPE, cache writes and paged attention by the ops of `llmopt.kernels` on one op backend."""
+    """RoPE, cache writes and paged attention by the ops of `llmopt.kernels` on one op backend; `window`: the
+    sliding window in keys (None: full causal)."""
 
-    def __init__(self, meta: StepMetadata, cos_sin_cache: torch.Tensor, scale: float, op_backend: str):
+    def __init__(self, meta: StepMetadata, cos_sin_cache: torch.Tensor, scale: float, op_backend: str,
+                 window: int | None = None):
         self.meta, self.cos_sin_cache, self.scale, self.op_backend = meta, cos_sin_cache, scale, op_backend
+        self.window = window
 
     def rotate(self, qk, q, k):
         """Rotate q [T, Hq, D] and k [T, Hk, D] in place (views of `qk`, the q||k part of the projection)."""
@@ -50,9 +53,10 @@ class KernelAttention:
         b, meta = self.op_backend, self.meta
         k_cache, v_cache = kv_cache[:, :, 0], kv_cache[:, :, 1]  # [num_blocks, block_size, Hk, D], shared strides
         if not meta.is_decode:
-            return paged_attention_prefill(q, k, v, k_cache, v_cache, meta, self.scale, backend=b)
+            return paged_attention_prefill(q, k, v, k_cache, v_cache, meta, self.scale, backend=b, window=self.window)
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=b)
-        return paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale, backend=b)
+        return paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale,
+                                      backend=b, window=self.window)
 
 
 class OpBackend:
@@ -85,9 +89,15 @@ class OpBackend:
         """silu(gate) * up on the fused gate||up rows [T, 2I] -> [T, I]."""
         return silu_and_mul(x, backend=self.op_backend)
 
-    def attention(self, meta: StepMetadata, cos_sin_cache, scale: float, block_size: int, dtype) -> KernelAttention:
-        """The step's attention (RoPE, cache writes, paged attention), planned once from `meta`."""
-        return KernelAttention(meta, cos_sin_cache, scale, self.op_backend)
+    def gelu_tanh_and_mul(self, x):
+        """gelu(gate, approximate="tanh") * up on the fused gate||up rows [T, 2I] -> [T, I]."""
+        return gelu_tanh_and_mul(x, backend=self.op_backend)
+
+    def attention(self, meta: StepMetadata, cos_sin_cache, scale: float, block_size: int, dtype,
+                  window: int | None = None) -> KernelAttention:
+        """The step's attention (RoPE, cache writes, paged attention), planned once from `meta`; `window`: each
+        query sees only the last `window` positions up to its own (None: every one)."""
+        return KernelAttention(meta, cos_sin_cache, scale, self.op_backend, window)
 
     def fused_decode(self, layers) -> None:
         """No fused decode step here: layers run one by one."""

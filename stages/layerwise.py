@@ -53,7 +53,8 @@ def decoder_layers(model) -> nn.ModuleList:
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ConfigError(f"{type(model).__name__}: no model.layers; layer-by-layer stages support "
-                          "decoder-only models of the Llama family (Llama, Mistral, Qwen2, SmolLM2)")
+                          "decoder-only models with model.layers (the families of stages/families.py: Llama, Mistral, Qwen2/3, "
+                          "Phi-3, Gemma 3)")
     return layers
 
 

@@ -79,13 +79,14 @@ int llmopt_decode_layers(const llmopt_layer *layers, int64_t num_layers, void *r
             llmopt_rope_row(qkv + t * qkv_n * es, cs + t * head_dim * es, heads + kv_heads, head_dim, elem);
             memcpy(cache + slots[t] * kv_width * es, qkv + (t * qkv_n + q_size) * es, (size_t)(kv_width * es));
         }
+        /* no sliding window here (0): NativeCpuAttention.fused_plan refuses a step whose window would matter */
         int rc = elem == 0
             ? llmopt_paged_decode_f32_team((const float *)qkv, qkv_n, (const float *)cache, kv_width, block_tables,
                                            bt_stride, context_lens, (float *)att, q_size, m, heads, kv_heads,
-                                           head_dim, block_size, scale)
+                                           head_dim, block_size, scale, 0)
             : llmopt_paged_decode_bf16_team((const uint16_t *)qkv, qkv_n, (const uint16_t *)cache, kv_width,
                                             block_tables, bt_stride, context_lens, (uint16_t *)att, q_size, m, heads,
-                                            kv_heads, head_dim, block_size, scale);
+                                            kv_heads, head_dim, block_size, scale, 0);
         if (rc) {
 #pragma omp atomic write
             failed = rc;

@@ -54,11 +54,11 @@ typedef struct {
 int llmopt_paged_decode_f32(const float *q, int64_t q_stride, const float *kv, int64_t row_stride,
                             const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens, float *out,
                             int64_t out_stride, int64_t num_seqs, int64_t hq, int64_t hk, int64_t dim,
-                            int64_t block_size, float scale);
+                            int64_t block_size, float scale, int64_t window);
 int llmopt_paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *kv, int64_t row_stride,
                              const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                              uint16_t *out, int64_t out_stride, int64_t num_seqs, int64_t hq, int64_t hk,
-                             int64_t dim, int64_t block_size, float scale);
+                             int64_t dim, int64_t block_size, float scale, int64_t window);
 int llmopt_gemv_dense(const void *x, int64_t xs, const void *tiles, int welem, const float *bias, void *y, int64_t ys,
                       int elem, int64_t m, int64_t n, int64_t k);
 int llmopt_gemv_w4(const void *x, int64_t xs, const uint8_t *packed, const float *scales, const uint8_t *zeros,
@@ -69,6 +69,7 @@ int llmopt_gemv(const llmopt_linear *l, const void *x, int64_t xs, void *y, int6
 int llmopt_add_rms_norm(const void *x, int64_t xs, void *residual, int64_t rs, const void *w, void *out, int64_t os,
                         int64_t rows, int64_t h, float eps, int elem);
 int llmopt_silu_mul(const void *gu, int64_t gs, void *out, int64_t os, int64_t rows, int64_t inter, int elem);
+int llmopt_gelu_tanh_mul(const void *gu, int64_t gs, void *out, int64_t os, int64_t rows, int64_t inter, int elem);
 int llmopt_rope(void *x, int64_t xs, const void *cs, int64_t css, int64_t rows, int64_t heads, int64_t d, int elem);
 
 /* The parts of those calls, for a caller that runs a whole step in one OpenMP team (layer.c).
@@ -83,18 +84,20 @@ int64_t llmopt_gemv_tiles(const llmopt_linear *l);
 void llmopt_gemv_load_row(const llmopt_linear *l, const void *x, int elem, int64_t i, int64_t m, void *scratch);
 void llmopt_gemv_run(const llmopt_linear *l, const void *scratch, int64_t m, void *y, int64_t ys, int elem,
                      int64_t t0, int64_t t1);
-/* Paged decode attention's work, shared over the calling team (orphaned `omp for`); 2: no scratch. */
+/* Paged decode attention's work, shared over the calling team (orphaned `omp for`); 2: no scratch.
+ * window > 0: each sequence attends to its last `window` rows only (0: all of them). */
 int llmopt_paged_decode_f32_team(const float *q, int64_t q_stride, const float *kv, int64_t row_stride,
                                  const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                                  float *out, int64_t out_stride, int64_t num_seqs, int64_t hq, int64_t hk,
-                                 int64_t dim, int64_t block_size, float scale);
+                                 int64_t dim, int64_t block_size, float scale, int64_t window);
 int llmopt_paged_decode_bf16_team(const uint16_t *q, int64_t q_stride, const uint16_t *kv, int64_t row_stride,
                                   const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                                   uint16_t *out, int64_t out_stride, int64_t num_seqs, int64_t hq, int64_t hk,
-                                  int64_t dim, int64_t block_size, float scale);
+                                  int64_t dim, int64_t block_size, float scale, int64_t window);
 /* One row (pointers at the row) of the small ops. */
 void llmopt_add_rms_norm_row(const void *x, void *residual, const void *w, void *out, int64_t h, float eps, int elem);
 void llmopt_silu_mul_row(const void *gu, void *out, int64_t inter, int elem);
+void llmopt_gelu_tanh_mul_row(const void *gu, void *out, int64_t inter, int elem);
 void llmopt_rope_row(void *x, const void *cs, int64_t heads, int64_t d, int elem);
 
 /* gemv_vnni.c, for gemv.c (llmopt_gemv_vnni(): 1 where the build has the VNNI kernels, 0 where these do

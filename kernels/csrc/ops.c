@@ -1,10 +1,11 @@
 /* The small per-layer operations of a CPU step, one call each instead of torch's several: RMSNorm with
- * the residual add, SwiGLU, RoPE. At decode each torch op costs a few microseconds whatever its size
- * (F.rms_norm alone was 8 ops and ~30 us per call), so a 30-layer step spent milliseconds on them.
+ * the residual add, SwiGLU, GeGLU (the gelu-tanh gate of Gemma's MLP), RoPE. At decode each torch op costs
+ * a few microseconds whatever its size (F.rms_norm alone was 8 ops and ~30 us per call), so a 30-layer
+ * step spent milliseconds on them.
  *
  * Elements: fp32 (elem 0) or bf16 (elem 1), arithmetic in fp32. In bf16 the results are rounded where
- * transformers' Llama rounds (the residual sum, the normalised row before the weight, silu before the
- * product), so the runtime stays as close to the reference as the torch path was. Rows are split over
+ * transformers' Llama rounds (the residual sum, the normalised row before the weight, silu or gelu before
+ * the product), so the runtime stays as close to the reference as the torch path was. Rows are split over
  * the threads when there are enough of them to pay for it.
  */
 #include <math.h>
@@ -58,6 +59,21 @@ static inline __attribute__((always_inline)) void silu_row(const void *gu, void 
     }
 }
 
+/* gelu(g, approximate="tanh") = g * (1 + tanh(u)) / 2 = g * sigmoid(2u), u = sqrt(2/pi) (g + 0.044715 g^3): expf
+ * vectorises where tanhf may not, and sigmoid taken as e / (1 + e) with e = exp(-|2u|) stays accurate in the
+ * negative tail, where 1 + tanh(u) (torch's form) cancels to a few bits. */
+static inline float gelu_tanh(float g) {
+    const float x = 1.5957691216057308f * (g + 0.044715f * g * g * g); /* 2u */
+    const float e = expf(-fabsf(x));
+    return g * ((x >= 0.f ? 1.f : e) / (1.f + e));
+}
+
+/* One row: out[j] = gelu_tanh(gu[j]) * gu[inter + j], the fused gate||up projection's halves. */
+static inline __attribute__((always_inline)) void gelu_row(const void *gu, void *out, int64_t inter, int elem) {
+    for (int64_t j = 0; j < inter; j++)
+        st(out, j, round_to(gelu_tanh(ld(gu, j, elem)), elem) * ld(gu, inter + j, elem), elem);
+}
+
 /* One token's row: rotate-half RoPE in place on its first `heads` heads (head dim d); cs = cos[d/2] || sin[d/2]
  * for the token's position (in the element type, as transformers rounds them): x1' = x1 cos - x2 sin,
  * x2' = x2 cos + x1 sin. */
@@ -85,6 +101,11 @@ void llmopt_silu_mul_row(const void *gu, void *out, int64_t inter, int elem) {
     else silu_row(gu, out, inter, 1);
 }
 
+void llmopt_gelu_tanh_mul_row(const void *gu, void *out, int64_t inter, int elem) {
+    if (elem == 0) gelu_row(gu, out, inter, 0);
+    else gelu_row(gu, out, inter, 1);
+}
+
 void llmopt_rope_row(void *x, const void *cs, int64_t heads, int64_t d, int elem) {
     if (elem == 0) rope_row(x, cs, heads, d, 0);
     else rope_row(x, cs, heads, d, 1);
@@ -109,6 +130,14 @@ int llmopt_add_rms_norm(const void *x, int64_t xs, void *residual, int64_t rs, c
 int llmopt_silu_mul(const void *gu, int64_t gs, void *out, int64_t os, int64_t rows, int64_t inter, int elem) {
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t t = 0; t < rows; t++) llmopt_silu_mul_row(row_at(gu, t, gs, elem), row_at(out, t, os, elem), inter, elem);
+    return 0;
+}
+
+/* out[t][j] = gelu_tanh(gu[t][j]) * gu[t][inter + j]. */
+int llmopt_gelu_tanh_mul(const void *gu, int64_t gs, void *out, int64_t os, int64_t rows, int64_t inter, int elem) {
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t t = 0; t < rows; t++)
+        llmopt_gelu_tanh_mul_row(row_at(gu, t, gs, elem), row_at(out, t, os, elem), inter, elem);
     return 0;
 }
 

@@ -1,5 +1,7 @@
 /* Paged attention for decode on CPU: one new query token per sequence, keys and values read in
- * place from the paged KV cache (no gather copy), each cached row read once.
+ * place from the paged KV cache (no gather copy), each cached row read once. With a sliding window
+ * (window > 0) a sequence attends to its last `window` rows only, and nothing before them is read: the
+ * block manager may free those blocks, so their table entries may point at other data.
  *
  * Cache rows (one layer): kv[slot] = K[Hk][D] || V[Hk][D], slot = block * block_size + offset,
  * row_stride elements apart. q and out: [B][Hq][D] with q_stride / out_stride elements between
@@ -26,12 +28,13 @@ static inline uint16_t bf16_store(float f) { return llmopt_f32_to_bf16(f); }
 #define FIRST(h) (i0 > (h) * group ? i0 - (h) * group : 0)
 #define LAST(h) (i1 < ((h) + 1) * group ? i1 - (h) * group : group)
 
-/* One sequence's query heads [i0, i1): out[i0..i1)[DIM] from its context, one cache block at a time (online softmax): the
- * block's K rows give its scores, the running maxima rescale what was accumulated, then its V rows
- * are added while the block is still in cache, so each row comes from memory once. DIM is a
- * literal in the specialised copies, so the dot products and updates unroll into whole vectors. */
+/* One sequence's query heads [i0, i1): out[i0..i1)[DIM] from its rows [start, ctx), one cache block at a
+ * time (the first from `start` on, mid-block where a window starts there; online softmax): the block's K
+ * rows give its scores, the running maxima rescale what was accumulated, then its V rows are added while
+ * the block is still in cache, so each row comes from memory once. DIM is a literal in the specialised
+ * copies, so the dot products and updates unroll into whole vectors. */
 #define DEFINE_SEQUENCE(NAME, T, LOAD, STORE, DIM)                                                       \
-static void NAME(const T *qr, const T *kv, int64_t row_stride, const int32_t *table, int64_t ctx,      \
+static void NAME(const T *qr, const T *kv, int64_t row_stride, const int32_t *table, int64_t start, int64_t ctx, \
                  T *orow, int64_t hq, int64_t hk, int64_t dim_arg, int64_t block_size, float scale,     \
                  float *scores, float *qv, float *acc, int64_t i0, int64_t i1) {                        \
     const int64_t dim = DIM, group = hq / hk, h0 = i0 / group, h1 = (i1 + group - 1) / group;          \
@@ -39,11 +42,12 @@ static void NAME(const T *qr, const T *kv, int64_t row_stride, const int32_t *ta
     (void)dim_arg;                                                                                     \
     for (int64_t i = i0 * dim; i < i1 * dim; i++) { qv[i] = LOAD(qr[i]) * scale; acc[i] = 0.f; }      \
     for (int64_t i = i0; i < i1; i++) { mx[i] = -INFINITY; sum[i] = 0.f; }                             \
-    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                                 \
-        const T *block = kv + (int64_t)table[t0 / block_size] * block_size * row_stride;               \
-        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;                                \
-        if (t0 + block_size < ctx) { /* blocks are scattered: hardware prefetch stops at each page */  \
-            const int64_t left = ctx - t0 - block_size;                                                \
+    for (int64_t t0 = start, n = 0; t0 < ctx; t0 += n) {                                               \
+        const int64_t first = t0 % block_size; /* nonzero only where a window starts mid-block */      \
+        const T *block = kv + ((int64_t)table[t0 / block_size] * block_size + first) * row_stride;     \
+        n = ctx - t0 < block_size - first ? ctx - t0 : block_size - first;                             \
+        if (t0 + n < ctx) { /* blocks are scattered: hardware prefetch stops at each page */           \
+            const int64_t left = ctx - t0 - n;                                                         \
             const char *next = (const char *)(kv + (int64_t)table[t0 / block_size + 1] * block_size * row_stride); \
             const int64_t bytes = (left < block_size ? left : block_size) * row_stride * (int64_t)sizeof(T); \
             for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(next + off, 0, 3);         \
@@ -111,7 +115,7 @@ DEFINE_SEQUENCE(NAME##_any, T, LOAD, STORE, dim_arg)                            
  * work); returns 2 where this thread's scratch could not be allocated. */                             \
 int NAME##_team(const T *q, int64_t q_stride, const T *kv, int64_t row_stride, const int32_t *block_tables, \
                 int64_t bt_stride, const int32_t *context_lens, T *out, int64_t out_stride, int64_t num_seqs, \
-                int64_t hq, int64_t hk, int64_t dim, int64_t block_size, float scale) {               \
+                int64_t hq, int64_t hk, int64_t dim, int64_t block_size, float scale, int64_t window) {  \
     float *scores = llmopt_alloc(sizeof(float) * (size_t)(hq * block_size + 2 * hq * dim));                  \
     const int64_t parts = llmopt_head_parts(num_seqs, hq);                                             \
     _Pragma("omp for schedule(dynamic, 1)")                                                            \
@@ -123,14 +127,15 @@ int NAME##_team(const T *q, int64_t q_stride, const T *kv, int64_t row_stride, c
         const T *qr = q + b * q_stride;                                                                \
         const int32_t *table = block_tables + b * bt_stride;                                           \
         T *orow = out + b * out_stride;                                                                \
+        const int64_t ctx = context_lens[b], start = window > 0 && ctx > window ? ctx - window : 0;    \
         if (dim == 64)                                                                                 \
-            NAME##_d64(qr, kv, row_stride, table, context_lens[b], orow, hq, hk, dim, block_size, scale, \
+            NAME##_d64(qr, kv, row_stride, table, start, ctx, orow, hq, hk, dim, block_size, scale,    \
                        scores, qv, acc, i0, i1);                                                       \
         else if (dim == 128)                                                                           \
-            NAME##_d128(qr, kv, row_stride, table, context_lens[b], orow, hq, hk, dim, block_size, scale, \
+            NAME##_d128(qr, kv, row_stride, table, start, ctx, orow, hq, hk, dim, block_size, scale,   \
                         scores, qv, acc, i0, i1);                                                      \
         else                                                                                           \
-            NAME##_any(qr, kv, row_stride, table, context_lens[b], orow, hq, hk, dim, block_size, scale, \
+            NAME##_any(qr, kv, row_stride, table, start, ctx, orow, hq, hk, dim, block_size, scale,    \
                        scores, qv, acc, i0, i1);                                                       \
     }                                                                                                  \
     const int rc = scores ? 0 : 2;                                                                     \
@@ -139,13 +144,13 @@ int NAME##_team(const T *q, int64_t q_stride, const T *kv, int64_t row_stride, c
 }                                                                                                      \
 int NAME(const T *q, int64_t q_stride, const T *kv, int64_t row_stride, const int32_t *block_tables,   \
          int64_t bt_stride, const int32_t *context_lens, T *out, int64_t out_stride, int64_t num_seqs, \
-         int64_t hq, int64_t hk, int64_t dim, int64_t block_size, float scale) {                     \
+         int64_t hq, int64_t hk, int64_t dim, int64_t block_size, float scale, int64_t window) {     \
     if (hk <= 0 || hq % hk || dim <= 0 || dim > 1024) return 1;                                        \
     int failed = 0;                                                                                    \
     _Pragma("omp parallel")                                                                            \
     {                                                                                                  \
         if (NAME##_team(q, q_stride, kv, row_stride, block_tables, bt_stride, context_lens, out, out_stride, \
-                        num_seqs, hq, hk, dim, block_size, scale)) {                                   \
+                        num_seqs, hq, hk, dim, block_size, scale, window)) {                           \
             _Pragma("omp atomic write") failed = 2;                                                    \
         }                                                                                              \
     }                                                                                                  \

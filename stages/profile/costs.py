@@ -3,8 +3,10 @@
 Weight bytes are those of the tensors the step's kernels actually stream: a dense weight once
 (its CPU layouts are copies of one matrix, and one of them is read per call), the packed int4/int8
 layout of a quantized linear's CPU kernel (or its compressed tensors where no kernel applies),
-the norms, and the lm_head (for tied embeddings: the whole embedding matrix). The embedding
-lookup reads only one row per sequence and is left out.
+the norms (every one the model's family has: Gemma 3's four per layer and q/k norms), and the lm_head
+(for tied embeddings: the whole embedding matrix). The embedding lookup reads only one row per sequence
+and is left out. Logical counts (MACs, parameters) come from the family's Linears (stages/families.py):
+Phi-3's fused qkv_proj and gate_up_proj count what Llama's q/k/v and gate/up do.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import fields, is_dataclass
 
 import torch
 
-from ..serve.model import ConcatLinear, ModelSpec, Runtime
+from ..serve.model import NORM_BUFFERS, ConcatLinear, ModelSpec, Runtime
 from ..serve.runner import kv_bytes_per_block
 
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
@@ -37,7 +39,8 @@ def linear_bytes(module) -> int:
 def weight_bytes(runtime: Runtime) -> dict:
     """Weight bytes one decode step reads, by part; `total` is the roofline's numerator."""
     layers = [sum(linear_bytes(getattr(layer, p)) for p in PROJECTIONS) for layer in runtime.layers]
-    norms = tensor_bytes([runtime.norm]) + sum(tensor_bytes([l.input_norm, l.post_norm]) for l in runtime.layers)
+    norms = tensor_bytes([runtime.norm]) + sum(tensor_bytes([getattr(l, n) for n in NORM_BUFFERS.values()])
+                                               for l in runtime.layers)
     lm_head = linear_bytes(runtime.lm_head)
     return {"decoder_layers": sum(layers), "norms": norms, "lm_head": lm_head,
             "total": sum(layers) + norms + lm_head, "per_layer": layers}
@@ -48,11 +51,14 @@ def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
     return kv_bytes_per_block(spec, 1, dtype)
 
 
+def layer_linear_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """Each Linear of one decoder layer, as the model's family names it -> (output rows, input columns)."""
+    return spec.family.linear_shapes(spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size)
+
+
 def linear_macs_per_token(spec: ModelSpec) -> int:
     """Multiply-adds of one token through the decoder layers' projections (lm_head apart)."""
-    h, i = spec.hidden_size, spec.intermediate_size
-    per_layer = h * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h + h * 2 * i + i * h
-    return spec.num_layers * per_layer
+    return spec.num_layers * sum(rows * cols for rows, cols in layer_linear_shapes(spec).values())
 
 
 def attention_flops(spec: ModelSpec, queries_keys: int) -> int:
@@ -76,5 +82,5 @@ def decode_flops(spec: ModelSpec, batch: int, context: int) -> int:
 def parameter_count(spec: ModelSpec) -> int:
     """Logical parameters (untied lm_head counted separately), whatever the storage format."""
     embed = spec.vocab_size * spec.hidden_size
-    norms = spec.hidden_size * (2 * spec.num_layers + 1)
+    norms = spec.hidden_size + spec.num_layers * sum(spec.family.norm_sizes(spec.hidden_size, spec.head_dim).values())
     return linear_macs_per_token(spec) + embed + norms + (0 if spec.tie_word_embeddings else embed)

@@ -1,12 +1,13 @@
 """`llmopt profile SOURCE --kernels`: one decode step's matmuls on SOURCE's shapes, per weight scheme.
 
-For every linear of one decode step (--layers x q, k, v, o, gate, up, down, plus the lm_head; only
-config.json is read, the weights are random) this times dense F.linear (fp32, bf16) against the
-linears the quantized layers run (W8A16: int8 weight-only, W8A8: per-token int8, W4A16: int4
-weight-only, group 64). Every layer gets its own weights, as in a real step, so they stream from
-memory rather than cache; shapes that coincide (q and o of a square attention) are timed together.
-Reported: per shape and row count (--batch-sizes) the median per call (--repeats) with the weight
-bytes it moved per second, the summed step, and each scheme's error against an fp64 reference.
+For every linear of one decode step (--layers x the model family's Linears: q, k, v, o, gate, up, down, or
+Phi-3's fused q+k+v, o, gate+up, down; plus the lm_head; only config.json is read, the weights are random)
+this times dense F.linear (fp32, bf16) against the linears the quantized layers run (W8A16: int8
+weight-only, W8A8: per-token int8, W4A16: int4 weight-only, group 64). Every layer gets its own
+weights, as in a real step, so they stream from memory rather than cache; shapes that coincide (q and
+o of a square attention) are timed together. Reported: per shape and row count (--batch-sizes) the
+median per call (--repeats) with the weight bytes it moved per second, the summed step, and each
+scheme's error against an fp64 reference.
 """
 from __future__ import annotations
 
@@ -29,14 +30,15 @@ LM_HEAD_COPIES = 3  # more than a last-level cache holds of a 576 x 49152 lm_hea
 
 
 def step_shapes(spec, layers: int) -> dict[str, tuple[int, int, int]]:
-    """{name: (K, N, calls per decode step)}: the decoder's projections, equal shapes merged, and the lm_head."""
+    """{name: (K, N, calls per decode step)}: the decoder's projections (a fused one named by its sections,
+    q+k+v), equal shapes merged, and the lm_head."""
+    from .costs import layer_linear_shapes
+
     per_layer = {}
-    for name, k, n, calls in (("q", spec.hidden_size, spec.q_size, 1), ("k/v", spec.hidden_size, spec.kv_size, 2),
-                              ("o", spec.q_size, spec.hidden_size, 1),
-                              ("gate/up", spec.hidden_size, spec.intermediate_size, 2),
-                              ("down", spec.intermediate_size, spec.hidden_size, 1)):
+    sections = spec.family.sections()
+    for linear, (n, k) in layer_linear_shapes(spec).items():
         names, count = per_layer.get((k, n), ([], 0))
-        per_layer[(k, n)] = (names + [name], count + calls)
+        per_layer[(k, n)] = (names + ["+".join(sections[linear])], count + 1)
     shapes = {"/".join(names): (k, n, count * layers) for (k, n), (names, count) in per_layer.items()}
     return shapes | {"lm_head": (spec.hidden_size, spec.vocab_size, 1)}
 

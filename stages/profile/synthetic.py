@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from ..errors import ConfigError
+from ..families import family_of
 from ..progress import StageHooks
 from .config import SYNTHETIC_SHAPES as SHAPES
 from .config import ProfileConfig
@@ -37,9 +38,6 @@ PREFILL_TOKENS = 8192  # per step: a batch of 128 x 512-token prompts is prefill
 WEIGHT_STD = 0.02
 # (HF-named tensors, model config, scheme) -> (compressed-tensors state, quantization_config)
 Quantizer = Callable[[Iterable[tuple[str, torch.Tensor]], dict, str], tuple[dict, dict]]
-LINEARS = (("self_attn.q_proj", "q", "h"), ("self_attn.k_proj", "kv", "h"), ("self_attn.v_proj", "kv", "h"),
-           ("self_attn.o_proj", "h", "q"), ("mlp.gate_proj", "i", "h"), ("mlp.up_proj", "i", "h"),
-           ("mlp.down_proj", "h", "i"))  # name, rows, columns of each decoder Linear
 
 
 def model_config(shape: str, layers: int) -> dict:
@@ -55,9 +53,12 @@ def model_config(shape: str, layers: int) -> dict:
 
 def random_tensors(config: dict, device: torch.device, dtype: torch.dtype, std: float = WEIGHT_STD,
                    seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named tensors drawn on the device one at a time: N(0, std) matrices, unit norms."""
+    """HF-named tensors drawn on the device one at a time, named and shaped as the config's family has them
+    (stages/families.py): N(0, std) matrices, unit norms (a Gemma norm stores its scale minus one)."""
     h, i, v, hd = config["hidden_size"], config["intermediate_size"], config["vocab_size"], config["head_dim"]
-    sizes = {"h": h, "i": i, "q": config["num_attention_heads"] * hd, "kv": config["num_key_value_heads"] * hd}
+    family = family_of(config)
+    linears = family.linear_shapes(h, config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd, i)
+    unit = 1.0 - family.norm_offset
     g = torch.Generator(device=device).manual_seed(seed)
 
     def mat(rows: int, cols: int) -> torch.Tensor:
@@ -65,13 +66,13 @@ def random_tensors(config: dict, device: torch.device, dtype: torch.dtype, std: 
 
     yield "model.embed_tokens.weight", mat(v, h)
     yield "lm_head.weight", mat(v, h)
-    yield "model.norm.weight", torch.ones(h, device=device, dtype=dtype)
+    yield "model.norm.weight", torch.full((h,), unit, device=device, dtype=dtype)
     for n in range(config["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        for name, rows, cols in LINEARS:
-            yield p + name + ".weight", mat(sizes[rows], sizes[cols])
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            yield p + name + ".weight", torch.ones(h, device=device, dtype=dtype)
+        for name, (rows, cols) in linears.items():
+            yield p + name + ".weight", mat(rows, cols)
+        for name, size in family.norm_sizes(h, hd).items():
+            yield p + name + ".weight", torch.full((size,), unit, device=device, dtype=dtype)
 
 
 def random_state(config: dict, device: torch.device, dtype: torch.dtype, std: float = WEIGHT_STD,

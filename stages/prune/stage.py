@@ -7,6 +7,7 @@ from torch import nn
 
 from ..calib import calibration_windows
 from ..errors import ConfigError
+from ..families import Family, family_of
 from ..layerwise import check_patterns, decoder_layers, linear_names, name_matches, run_layerwise
 from ..progress import StageHooks
 from .config import PruneConfig
@@ -15,6 +16,24 @@ from .structured import angular_distances, channels_to_keep, drop_layers, interm
 
 
 PruneHooks = StageHooks
+
+
+def model_family(model) -> Family | None:
+    """The model's Family (stages/families.py), None for an architecture it does not describe."""
+    try:
+        return family_of(model.config.to_dict())
+    except ConfigError:
+        return None
+
+
+def mlp_family(model) -> Family:
+    """The Family --structured mlp shrinks the layers of; refuses an architecture we do not describe."""
+    family = model_family(model)
+    if family is None:
+        arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+        raise ConfigError(f"--structured mlp: stages/families.py does not describe {arch}'s MLP; prune it "
+                          "unstructured (--method wanda) or drop layers (--structured layers)")
+    return family
 
 
 def check_dense(model) -> None:
@@ -46,7 +65,7 @@ def check_plan(model, config: PruneConfig) -> None:
     """Every model-dependent check, before any calibration or evaluation work."""
     check_dense(model)
     if config.structured == "mlp":
-        channels_to_keep(intermediate_size(model), config.ratio)
+        channels_to_keep(intermediate_size(model, mlp_family(model)), config.ratio)
     elif config.structured == "layers":
         layers_to_drop([0.0] * len(decoder_layers(model)), config.drop)
     else:
@@ -79,7 +98,8 @@ def _run(model, windows, method, config: PruneConfig, hooks: PruneHooks) -> list
 
 def _prune_weights(model, windows, config: PruneConfig, hooks: PruneHooks) -> dict:
     targets = plan_targets(model, config)
-    method = LayerPruner(targets, config.method_name, config.target_sparsity, config.nm, config.damp, config.device)
+    method = LayerPruner(targets, config.method_name, config.target_sparsity, config.nm, config.damp, config.device,
+                         model_family(model))
     reports = _run(model, windows, method, config, hooks)
     sizes = {name: model.get_submodule(name).weight.numel() for name in method.sparsity_by_linear}
     zeros = sum(method.sparsity_by_linear[n] * sizes[n] for n in sizes)
@@ -90,9 +110,10 @@ def _prune_weights(model, windows, config: PruneConfig, hooks: PruneHooks) -> di
 
 
 def _prune_mlp(model, windows, config: PruneConfig, hooks: PruneHooks) -> dict:
-    before = intermediate_size(model)
+    family = mlp_family(model)
+    before = intermediate_size(model, family)
     keep = channels_to_keep(before, config.ratio)
-    reports = _run(model, windows, MlpChannelPruner(keep), config, hooks)
+    reports = _run(model, windows, MlpChannelPruner(keep, family), config, hooks)
     model.config.intermediate_size = keep
     return {"structured": {"kind": "mlp", "ratio": config.ratio, "intermediate_size_before": before,
                            "intermediate_size": keep,

@@ -1,12 +1,12 @@
 """Structured pruning: remove whole MLP channels or whole decoder layers, so the written model is
 genuinely smaller (and faster on any runtime), not just full of zeros.
 
-MLP channels: channel j of a gated MLP is row j of gate_proj and up_proj and column j of down_proj;
-its importance is ||down_proj[:, j]||_2 * ||h_j||_2 over the calibration tokens (h the input of
-down_proj), a bound on what the channel adds to the layer's output. Layers: the angular distance
-arccos(cos(x, f(x))) / pi between a layer's input and output, averaged over calibration tokens
-(Gromov et al. 2024; the "block influence" of Men et al. 2024 is 1 - cos): layers that change their
-input least go first.
+MLP channels: channel j of a gated MLP is row j of gate_proj and up_proj (rows j and I + j of Phi-3's
+fused gate_up_proj, gate || up) and column j of down_proj; its importance is
+||down_proj[:, j]||_2 * ||h_j||_2 over the calibration tokens (h the input of down_proj), a bound on
+what the channel adds to the layer's output. Layers: the angular distance arccos(cos(x, f(x))) / pi
+between a layer's input and output, averaged over calibration tokens (Gromov et al. 2024; the "block
+influence" of Men et al. 2024 is 1 - cos): layers that change their input least go first.
 """
 from __future__ import annotations
 
@@ -17,20 +17,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ConfigError
+from ..families import FAMILIES, Family
 from ..layerwise import decoder_layers
 
-MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+def mlp_linears(family: Family) -> tuple[str, ...]:
+    """The MLP's Linears under model.layers.{i}: gate and up (or Phi-3's fused gate_up_proj), then down."""
+    return family.projections["gate_up"] + family.projections["down"]
 
 
-def intermediate_size(model) -> int:
+def intermediate_size(model, family: Family) -> int:
     """The MLP width shared by every layer (the only layout a Hugging Face config can describe)."""
-    sizes = set()
+    sizes, names = set(), mlp_linears(family)
     for i, layer in enumerate(decoder_layers(model)):
-        mlp = getattr(layer, "mlp", None)
-        if mlp is None or not all(isinstance(getattr(mlp, n, None), nn.Linear) for n in MLP_LINEARS):
-            raise ConfigError(f"layer {i} has no gated MLP (gate_proj, up_proj, down_proj); "
-                              "--structured mlp supports the Llama family")
-        sizes.add(mlp.down_proj.in_features)
+        if not all(isinstance(_submodule(layer, n), nn.Linear) for n in names):
+            raise ConfigError(f"layer {i} has no gated MLP ({', '.join(names)}) as a {family.name} layer has; "
+                              "prune it unstructured (--method wanda) or drop layers (--structured layers)")
+        sizes.add(layer.get_submodule(family.projections["down"][0]).in_features)
     if len(sizes) != 1:
         raise ConfigError(f"the MLP widths differ between layers ({sorted(sizes)}); --structured mlp needs one width")
     return sizes.pop()
@@ -51,6 +54,13 @@ def channel_importance(down_weight: Tensor, input_norm: Tensor) -> Tensor:
     return down_weight.float().norm(dim=0) * input_norm.float()
 
 
+def _submodule(module: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
+
+
 def _take(linear: nn.Linear, dim: int, index: Tensor) -> nn.Linear:
     """A new Linear holding only the rows (dim 0) or columns (dim 1) in `index`."""
     w = linear.weight.data.index_select(dim, index).clone()
@@ -62,11 +72,17 @@ def _take(linear: nn.Linear, dim: int, index: Tensor) -> nn.Linear:
     return new
 
 
-def shrink_mlp(mlp: nn.Module, keep: Tensor) -> None:
-    """Keep only the channels `keep` (sorted indices) of a gated MLP, in place."""
-    mlp.gate_proj = _take(mlp.gate_proj, 0, keep)
-    mlp.up_proj = _take(mlp.up_proj, 0, keep)
-    mlp.down_proj = _take(mlp.down_proj, 1, keep)
+def shrink_mlp(mlp: nn.Module, keep: Tensor, family: Family = FAMILIES[0]) -> None:
+    """Keep only the channels `keep` (sorted indices) of a layer's gated MLP (its `mlp` module, laid out as
+    `family` says: Llama's by default), in place: their gate and up rows and their down columns."""
+    (down,) = (n.removeprefix("mlp.") for n in family.projections["down"])
+    width = getattr(mlp, down).in_features
+    for name in family.projections["gate_up"]:
+        name = name.removeprefix("mlp.")
+        halves = len(family.sections()[f"mlp.{name}"])  # 2 in a fused gate_up_proj: gate rows, then up rows
+        rows = torch.cat([keep + h * width for h in range(halves)])
+        setattr(mlp, name, _take(getattr(mlp, name), 0, rows))
+    setattr(mlp, down, _take(getattr(mlp, down), 1, keep))
     if hasattr(mlp, "intermediate_size"):
         mlp.intermediate_size = keep.numel()
 
@@ -114,9 +130,9 @@ def drop_layers(model, drop: list[int]) -> None:
     """Remove decoder layers `drop` in place; renumber the rest and update the config."""
     kept = [layer for i, layer in enumerate(decoder_layers(model)) if i not in drop]
     for new_index, layer in enumerate(kept):
-        attn = getattr(layer, "self_attn", None)
-        if attn is not None and hasattr(attn, "layer_idx"):  # the KV cache is indexed by it
-            attn.layer_idx = new_index
+        for module in (layer, getattr(layer, "self_attn", None)):
+            if module is not None and hasattr(module, "layer_idx"):  # the KV cache is indexed by it
+                module.layer_idx = new_index
     model.model.layers = nn.ModuleList(kept)
     config = model.config
     if getattr(config, "layer_types", None):

@@ -2,7 +2,9 @@
 
 Each method quantizes the targeted Linears of one decoder layer, records the integer tensors for
 export in `results`, and leaves the dequantized weights in the layer so that the next layer is
-calibrated on the outputs of the already quantized one.
+calibrated on the outputs of the already quantized one. Which Linears share an input, and where a scale
+on that input folds (AWQ, SmoothQuant), comes from the model's Family (stages/families.py): a norm (Gemma's
+(1 + w) included), or the up rows of the MLP (Phi-3: the second half of the fused gate_up_proj).
 """
 from __future__ import annotations
 
@@ -12,18 +14,103 @@ import torch
 from torch import nn
 
 from ..compressed import LinearScheme, compress_linear
+from ..errors import ConfigError
+from ..families import Family, family_of
 from .awq import apply_clip, awq_search_clip, awq_search_scale
 from .fold import apply_scale_to_linears, apply_scale_to_norm, apply_scale_to_prev_linear
 from .gptq import HessianAccumulator, gptq_quantize, sink_token_weights, sink_weights_from_norms
 from .rtn import QuantArgs, compute_qparams, dequantize, quantize
 from .smoothquant import smooth_scales
 
-# Llama-family layer: groups of linears that share one input, and where a scale on that input folds.
-SHARED_INPUTS = (
-    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-    ("mlp.up_proj", ("mlp.down_proj",)),
-)
+# AWQ leaves the query and key rows unclipped: their errors pass through softmax, where the output MSE misleads.
+NO_CLIP = ("q", "k")
+
+
+@dataclass(frozen=True)
+class Fold:
+    """Linears that read one input (`consumers`) and what produces that input, where a scale on it folds:
+    a norm's weight, or the output rows of a `section` of a Linear (the MLP's up rows feed down_proj)."""
+
+    consumers: tuple[str, ...]
+    norm: str | None = None
+    section: str | None = None
+
+
+def family_folds(family: Family) -> tuple[Fold, ...]:
+    """A family's groups of Linears that read one input, with where a scale on each input folds. Every family
+    folds all three (`apply_fold` handles Gemma's (1 + w) norms and Phi-3's fused up rows), which
+    `Family.shared_inputs` leaves out."""
+    p = family.projections
+    return (Fold(p["qkv"], norm=family.norms["input"]), Fold(p["gate_up"], norm=family.norms["mlp"]),
+            Fold(p["down"], section="up"))
+
+
+def layer_family(layer: nn.Module) -> Family | None:
+    """The Family of a transformers decoder layer (from its attention's config); None for an architecture
+    stages/families.py does not describe."""
+    config = getattr(getattr(layer, "self_attn", None), "config", None) or getattr(layer, "config", None)
+    if config is None:
+        return None
+    try:
+        return family_of(config.to_dict())
+    except ConfigError:
+        return None
+
+
+def layer_rows(family: Family, layer: nn.Module) -> dict[str, tuple[str, int, int]]:
+    """Each section (q, k, v, o, gate, up, down) -> (the Linear holding it, first row, end row), sized from
+    the layer's own modules (a pruned MLP is narrower than its config says)."""
+    p = family.projections
+    o_proj = layer.get_submodule(p["o_proj"][0])
+    q_size = o_proj.in_features
+    qkv_rows = sum(layer.get_submodule(n).out_features for n in p["qkv"])
+    inter = layer.get_submodule(p["down"][0]).in_features
+    return family.section_rows(o_proj.out_features, q_size, (qkv_rows - q_size) // 2, inter)
+
+
+def with_rows(w: torch.Tensor, start: int, end: int, rows: torch.Tensor) -> torch.Tensor:
+    """w with its rows [start, end) replaced by `rows` (a new tensor; w itself may be a mapped file)."""
+    if start == 0 and end == w.shape[0]:
+        return rows
+    out = w.clone()
+    out[start:end] = rows
+    return out
+
+
+def apply_fold(layer: nn.Module, family: Family, fold: Fold, s: torch.Tensor) -> None:
+    """Divide the input of `fold`'s Linears by s [in] where it is produced and multiply their weights by s, in
+    place: the layer computes what it did, and the Linears' weights are what gets quantized."""
+    if fold.norm is not None:
+        norm, offset = layer.get_submodule(fold.norm), family.norm_offset
+        w = norm.weight.data  # Gemma stores w - 1 and scales by (1 + w): s divides the (1 + w)
+        scaled, _ = apply_scale_to_norm(w.float() + offset, s)
+        norm.weight.data = (scaled - offset).to(w.dtype)
+    else:  # the rows of one section of a Linear (Phi-3: the up half of the fused gate_up_proj)
+        name, start, end = layer_rows(family, layer)[fold.section]
+        prev = layer.get_submodule(name)
+        bias = None if prev.bias is None else prev.bias.data[start:end]
+        rows, bias = apply_scale_to_prev_linear(prev.weight.data[start:end], s, bias)
+        prev.weight.data = with_rows(prev.weight.data, start, end, rows)
+        if bias is not None:
+            prev.bias.data = with_rows(prev.bias.data, start, end, bias)
+    linears = [layer.get_submodule(n) for n in fold.consumers]
+    for linear, w in zip(linears, apply_scale_to_linears([m.weight.data for m in linears], s)):
+        linear.weight.data = w
+
+
+def clip_rows(rows: dict[str, tuple[str, int, int]]) -> dict[str, list[tuple[int, int]]]:
+    """Each Linear's output rows that AWQ clips, as runs [start, end): every section's but NO_CLIP's (Phi-3's
+    fused qkv_proj: its v rows only)."""
+    runs: dict[str, list[tuple[int, int]]] = {}
+    for section, (name, start, end) in rows.items():
+        if section in NO_CLIP:
+            continue
+        own = runs.setdefault(name, [])
+        if own and own[-1][1] == start:
+            own[-1] = (own[-1][0], end)
+        else:
+            own.append((start, end))
+    return runs
 
 
 @dataclass
@@ -43,13 +130,23 @@ class LayerQuantizer:
     With a `sink` (a callable taking a dict of compressed tensors), each finished layer is packed,
     handed to the sink and its weights freed, so memory holds about one layer at a time; without one
     the dequantized weights stay in the model and the codes in `results` (small models, tests).
+    `family` (stages/families.py) names the layer's tensors; None: read from the first layer's config.
     """
+
+    family: Family | None = None
 
     def __init__(self, targets: dict[int, dict[str, QuantArgs]], activations: bool = False, sink=None):
         self.targets = targets
         self.activations = activations
         self.sink = sink
         self.results: dict[str, QuantizedLinear] = {}
+
+    def folds(self, layer: nn.Module) -> tuple[Fold, ...]:
+        """The layer's groups of Linears that share an input (none for an architecture we do not describe:
+        each Linear then observes its own input)."""
+        if self.family is None:
+            self.family = layer_family(layer)
+        return () if self.family is None else family_folds(self.family)
 
     def observers(self, index: int, layer: nn.Module) -> dict:
         return {}
@@ -116,7 +213,8 @@ class GPTQ(LayerQuantizer):
     def observers(self, index, layer):
         targets = self.targets.get(index, {})
         self.hessians, hooks = {}, {}
-        for _, names in SHARED_INPUTS:  # linears that read one input share one Hessian (q/k/v, gate/up)
+        for fold in self.folds(layer):  # linears that read one input share one Hessian (q/k/v, gate/up)
+            names = fold.consumers
             if len(names) > 1 and all(n in targets for n in names):
                 acc = HessianAccumulator(layer.get_submodule(names[0]).in_features)
                 self.hessians.update({n: acc for n in names})
@@ -194,12 +292,21 @@ class _Smoothing(LayerQuantizer):
     input row keeps its token's norm, so a subclass can tell attention-sink tokens apart."""
 
     _token_norms = None  # [B*S] norms of the batch now running through the layer
+    instead = "gptq or rtn"  # what to use where the scales cannot fold
+
+    def folds(self, layer):
+        folds = super().folds(layer)
+        if not folds:
+            raise ConfigError(f"--method {type(self).__name__.lower()}: stages/families.py does not describe "
+                              f"{type(layer).__name__}, so its input scales cannot be folded; "
+                              f"use --method {self.instead}")
+        return folds
 
     def observers(self, index, layer):
         self.samplers = {}
-        for _, names in SHARED_INPUTS:
-            if all(n in self.targets.get(index, {}) for n in names):
-                self.samplers[names[0]] = ActivationSampler()
+        for fold in self.folds(layer):
+            if all(n in self.targets.get(index, {}) for n in fold.consumers):
+                self.samplers[fold.consumers[0]] = ActivationSampler()
         hooks = {name: self._adder(s) for name, s in self.samplers.items()}
         return {"": self._note_norms, **hooks} if hooks else hooks
 
@@ -209,23 +316,15 @@ class _Smoothing(LayerQuantizer):
     def _adder(self, sampler: ActivationSampler):
         return lambda x: sampler.add(x, self._token_norms)
 
-    def _fold(self, layer, prev: str, names, s: torch.Tensor) -> None:
-        """Divide the input by s where it is produced, multiply the consuming weights by s."""
-        prev_mod = layer.get_submodule(prev)
-        fold = apply_scale_to_prev_linear if isinstance(prev_mod, nn.Linear) else apply_scale_to_norm
-        prev_mod.weight.data, _ = fold(prev_mod.weight.data, s)
-        linears = [layer.get_submodule(n) for n in names]
-        for linear, w in zip(linears, apply_scale_to_linears([m.weight.data for m in linears], s)):
-            linear.weight.data = w
-
     def _smooth_layer(self, index, layer) -> dict:
         scales, self.applied = {}, {}
-        for prev, names in SHARED_INPUTS:
+        for fold in self.folds(layer):
+            names = fold.consumers
             sampler = self.samplers.get(names[0])
             if sampler is None:
                 continue
             s = self.scale_for(sampler, [layer.get_submodule(n).weight.data.float() for n in names], names)
-            self._fold(layer, prev, names, s.float())
+            apply_fold(layer, self.family, fold, s.float())
             scales[names[0]] = float(s.max() / s.min())
             self.applied.update({n: (sampler, s.float()) for n in names})  # each linear's input is now x / s
         return scales
@@ -249,14 +348,12 @@ class AWQ(_Smoothing):
         self.losses[names[0]] = (best, at_one)
         return s
 
-    # AWQ leaves q/k unclipped: their errors pass through softmax, where the output MSE misleads.
-    NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
-
     def observers(self, index, layer):
         hooks = super().observers(index, layer)
-        if self.clip and "self_attn.o_proj" in self.targets.get(index, {}):
-            self.samplers["self_attn.o_proj"] = ActivationSampler()
-            hooks["self_attn.o_proj"] = self._adder(self.samplers["self_attn.o_proj"])
+        o_proj = self.family.projections["o_proj"][0]
+        if self.clip and o_proj in self.targets.get(index, {}):
+            self.samplers[o_proj] = ActivationSampler()
+            hooks[o_proj] = self._adder(self.samplers[o_proj])
             hooks.setdefault("", self._note_norms)
         return hooks
 
@@ -279,22 +376,29 @@ class AWQ(_Smoothing):
     def _clip_layer(self, layer) -> dict:
         """Per-group clipping ranges searched on each linear's (scaled) inputs; share of groups clipped."""
         shares = {}
-        if "self_attn.o_proj" in self.samplers:
-            self.applied["self_attn.o_proj"] = (self.samplers["self_attn.o_proj"], None)
+        o_proj = self.family.projections["o_proj"][0]
+        if o_proj in self.samplers:
+            self.applied[o_proj] = (self.samplers[o_proj], None)
+        runs = clip_rows(layer_rows(self.family, layer))
         for name, args in self.targets_args.items():
-            if name in self.NO_CLIP or name not in self.applied:
+            if name not in runs or name not in self.applied:
                 continue
             sampler, s = self.applied[name]
             x = sampler.sample() if s is None else sampler.sample() / s
-            linear = layer.get_submodule(name)
-            max_val = awq_search_clip(x, linear.weight.data.float(), args, row_weights=self._row_weights(sampler))
-            org = linear.weight.data.float().abs().reshape(max_val.shape[0], max_val.shape[1], -1).amax(-1)
-            linear.weight.data = apply_clip(linear.weight.data, max_val, args)
-            shares[name] = float((max_val < org).float().mean())
+            linear, clipped, groups = layer.get_submodule(name), 0, 0
+            for start, end in runs[name]:
+                w = linear.weight.data[start:end]
+                max_val = awq_search_clip(x, w.float(), args, row_weights=self._row_weights(sampler))
+                org = w.float().abs().reshape(max_val.shape[0], max_val.shape[1], -1).amax(-1)
+                linear.weight.data = with_rows(linear.weight.data, start, end, apply_clip(w, max_val, args))
+                clipped, groups = clipped + int((max_val < org).sum()), groups + max_val.numel()
+            shares[name] = clipped / groups
         return shares
 
 
 class SmoothQuant(_Smoothing):
+    instead = "rtn --scheme W8A8"
+
     def __init__(self, targets, alpha: float):
         super().__init__(targets, activations=True)
         self.alpha = alpha

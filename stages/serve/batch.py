@@ -25,6 +25,10 @@ class StepInput:
     slot_mapping: torch.Tensor  # [T] int64: block * block_size + offset for each new token
     max_query_len: int  # longest run of new tokens of one sequence (1 for a pure decode step)
     logits_indices: torch.Tensor  # [R] int64: indices into T whose logits the engine needs (R <= B)
+    # Layer groups 1.. of a model with several (engine/block_manager.py): their block tables [B, max_blocks]
+    # and cache slots [T], as block_tables and slot_mapping are group 0's. Empty for one group.
+    extra_block_tables: tuple = ()
+    extra_slot_mappings: tuple = ()
 
     @property
     def num_seqs(self) -> int:

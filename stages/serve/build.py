@@ -130,7 +130,8 @@ def kv_cache_plan(config: EngineConfig, spec, runtime, announce: bool = True) ->
     dtype, bs = runtime.dtype, config.block_size
     seqs = config.seqs_per_step
     length = config.max_model_len or runtime.spec.max_positions
-    longest = seqs * -(-length // bs)  # blocks of every running sequence at its longest
+    # blocks of every running sequence at its longest: a whole prompt's in every KV layer group at admission
+    longest = seqs * spec.shape.kv.count * -(-length // bs)
     if config.num_blocks is not None:
         blocks, source = config.num_blocks, "from --num-blocks"
     elif config.kv_cache_memory is not None:

@@ -49,9 +49,10 @@ def graph_batch_sizes(max_seqs: int, limit: int = MAX_GRAPH_BATCH) -> list[int]:
 
 def graphs_apply(runtime) -> bool:
     """Whether decode steps of `runtime` can be captured: on CUDA, with the triton backend (whose launches
-    depend on shapes only), in one process (a tensor-parallel rank's collectives stay eager)."""
+    depend on shapes only), in one process (a tensor-parallel rank's collectives stay eager), with one KV layer
+    group (the static buffers hold one block table per row)."""
     return (torch.device(runtime.device).type == "cuda" and runtime.backend.name == "triton"
-            and runtime.tp is None)
+            and runtime.tp is None and runtime.kv_groups.count == 1)
 
 
 @dataclass
@@ -154,10 +155,9 @@ class DecodeGraphs:
 
     def _forward(self, rows: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         r = self.runner
-        attn = r.backend.attention(self.static.metadata(rows), r.runtime.cos_sin_cache, r.scale, r.block_size,
-                                   r.runtime.dtype)
+        attns = r.runtime.attentions(r.backend, [self.static.metadata(rows)], r.scale, r.block_size)
         token_ids = self.static.token_ids[:rows]
-        return lambda: r.runtime(token_ids, attn, r.kv_cache)  # (hidden, residual) [rows, H]; no fused step
+        return lambda: r.runtime(token_ids, attns, r.kv_caches)  # (hidden, residual) [rows, H]; no fused step
 
     def bucket(self, step: StepInput) -> int | None:
         """The bucket whose graph runs `step`, or None when it runs eagerly (prefill or mixed, more sequences

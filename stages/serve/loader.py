@@ -27,16 +27,15 @@ from ..ctpack import pack_zero_point, unpack_zero_point
 from ..errors import ArtifactError, ConfigError, SourceError
 from ..model_io import parse_dtype
 from ..safetensors_io import load_dir, weight_files
-from .model import ConcatLinear, Runtime, spec_from_config
+from ..families import LLAMA_PROJECTIONS, Family
+from .model import NORM_BUFFERS, ConcatLinear, Runtime, spec_from_config
 from .startup import phase
 
 # What this file does to the tensors before the kernels see them (fused concatenations) is part of the
 # layout cache's key too.
 _LOADER_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
-PROJECTIONS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
-               "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
-NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+PROJECTIONS = tuple(LLAMA_PROJECTIONS)  # the runtime's fused projections: qkv, o_proj, gate_up, down
 EMBED = "model.embed_tokens"
 
 
@@ -143,9 +142,10 @@ def build_runtime(config: dict, state: dict, device: torch.device, dtype=None,
     backend = _backend(backend, device, dtype)
     with torch.device("meta"):
         runtime = Runtime(spec, backend, dtype)
-    weights = _Weights(state, qconfig, spec.num_layers, device, dtype, backend)
+    family = spec.family
+    weights = _Weights(state, qconfig, spec.num_layers, device, dtype, backend, family)
     for i, layer in enumerate(runtime.layers):
-        for attr, parts in PROJECTIONS.items():
+        for attr, parts in family.projections.items():
             with scope(f"layers.{i}.{attr}"):
                 setattr(layer, attr, weights.linear([f"model.layers.{i}.{p}" for p in parts]))
     runtime.load_state_dict(weights.rest(spec.num_layers), strict=False, assign=True)
@@ -156,8 +156,9 @@ def build_runtime(config: dict, state: dict, device: torch.device, dtype=None,
     with scope("lm_head"):
         runtime.lm_head = weights.tied_lm_head(runtime.embed_tokens, runtime.embed_scale) if tied \
             else weights.linear(["lm_head"])
-    runtime.cos_sin_cache = build_cos_sin_cache(spec.head_dim, spec.max_positions, spec.rope_theta,
-                                                spec.rope_scaling or None, device=device)
+    ropes = dict.fromkeys(kind.rope for kind in spec.shape.kinds)
+    runtime.rope_caches = [build_cos_sin_cache(spec.head_dim, spec.max_positions, rope.theta, rope.scaling_dict or None,
+                                               device=device) for rope in ropes]
     on_meta = [f"{m}.{n}" if m else n for m, module in runtime.named_modules()
                for n, b in module.named_buffers(recurse=False)
                if b.device.type == "meta" and n not in getattr(module, "released", ())]
@@ -179,9 +180,9 @@ def _backend(backend: "str | Backend", device: torch.device, dtype: torch.dtype)
 class _Weights:
     """The checkpoint's tensors, handed out as runtime modules on `device` in `dtype`."""
 
-    def __init__(self, state: dict, qconfig: dict | None, num_layers: int, device, dtype, backend):
-        self.state, self.device, self.dtype, self.backend = state, device, dtype, backend
-        names = [f"model.layers.{i}.{p}" for i in range(num_layers) for ps in PROJECTIONS.values() for p in ps]
+    def __init__(self, state: dict, qconfig: dict | None, num_layers: int, device, dtype, backend, family: Family):
+        self.state, self.device, self.dtype, self.backend, self.family = state, device, dtype, backend, family
+        names = [f"model.layers.{i}.{p}" for i in range(num_layers) for p in family.layer_linears()]
         self.schemes = parse_schemes(qconfig, names + ["lm_head"], [EMBED]) if qconfig else {}
 
     def has(self, name: str) -> bool:
@@ -196,12 +197,20 @@ class _Weights:
         return t.to(device=self.device, dtype=self.dtype if convert else t.dtype)
 
     def rest(self, num_layers: int) -> dict:
-        """Norm weights under the runtime's names."""
-        out = {"norm": self.tensor("model.norm.weight")}
+        """Norm weights under the runtime's names; a family's norm offset (Gemma: 1 + w) added in fp32 first."""
+        out = {"norm": self.norm("model.norm.weight")}
         for i in range(num_layers):
-            for ours, theirs in NORMS.items():
-                out[f"layers.{i}.{ours}"] = self.tensor(f"model.layers.{i}.{theirs}.weight")
+            for slot, theirs in self.family.norms.items():
+                out[f"layers.{i}.{NORM_BUFFERS[slot]}"] = self.norm(f"model.layers.{i}.{theirs}.weight")
         return out
+
+    def norm(self, key: str) -> torch.Tensor:
+        offset = self.family.norm_offset
+        if not offset:
+            return self.tensor(key)
+        if key not in self.state:
+            raise ArtifactError(f"tensor {key} is missing from the safetensors files")
+        return (self.state[key].float() + offset).to(device=self.device, dtype=self.dtype)
 
     def embedding(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(table, None) for a dense embedding; (int8 codes [vocab, H], scales [vocab, H/g]) for a quantized one."""

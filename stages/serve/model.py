@@ -1,4 +1,5 @@
-"""The Llama-family runtime of the serve engine: Llama 2/3, Mistral, Qwen2 (qkv bias), SmolLM2.
+"""The decoder runtime of the serve engine, for every family of `stages/families.py` (Llama 2/3, Mistral,
+Qwen2/3, Phi-3, Gemma 3, SmolLM2).
 
 One flat batch of T new tokens goes through every layer; attention reads and writes the paged KV
 cache through a per-step attention object that the runner has the backend build once per step.
@@ -24,14 +25,14 @@ from llmopt.kernels import Backend, dequantize
 from llmopt.kernels.parallel import gather_vocab, vocab_parallel_embedding
 
 from ..errors import ConfigError
+from ..families import FAMILIES, Family, LayerAttention, ModelShape, Rope, describe, family_of, supported_architectures
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = supported_architectures()
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What the runtime needs from config.json."""
+    """What the runtime needs from config.json: sizes, and the family's variant per layer (`shape`)."""
 
     architecture: str
     vocab_size: int
@@ -44,8 +45,20 @@ class ModelSpec:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict = field(default_factory=dict, hash=False)
-    max_positions: int = 4096  # longest sequence the runtime serves (the window, if one is set)
+    max_positions: int = 4096  # longest sequence the runtime serves
     tie_word_embeddings: bool = False
+    shape: ModelShape | None = field(default=None, hash=False)  # None: Llama's (tests that build specs by hand)
+
+    def __post_init__(self):
+        if self.shape is None:
+            rope = Rope(self.rope_theta, tuple(sorted(self.rope_scaling.items())))
+            llama = ModelShape(FAMILIES[0], "silu", self.head_dim ** -0.5, None, None,
+                               (LayerAttention(None, rope),) * self.num_layers)
+            object.__setattr__(self, "shape", llama)
+
+    @property
+    def family(self) -> Family:
+        return self.shape.family
 
     @property
     def q_size(self) -> int:
@@ -56,55 +69,24 @@ class ModelSpec:
         return self.num_kv_heads * self.head_dim
 
 
-def _architecture(config: dict) -> str:
-    archs = config.get("architectures") or [_MODEL_TYPES.get(config.get("model_type"), str(config.get("model_type")))]
-    arch = archs[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ConfigError(f"architecture {arch} is not supported by the serve runtime; "
-                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (Llama 2/3, Mistral, Qwen2, SmolLM2)")
-    return arch
-
-
-def _rope(config: dict) -> tuple[float, dict]:
-    """(theta, scaling dict) from `rope_theta`/`rope_scaling` (transformers 4) or `rope_parameters` (5)."""
-    scaling = dict(config.get("rope_scaling") or {})
-    scaling.update(config.get("rope_parameters") or {})
-    theta = float(scaling.pop("rope_theta", config.get("rope_theta", 10000.0)))
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ("default", "linear", "llama3"):
-        raise ConfigError(f"rope_type {kind!r} is not supported by the serve runtime (default, linear, llama3)")
-    return theta, scaling
-
-
-def _max_positions(config: dict) -> int:
-    longest = int(config.get("max_position_embeddings", 4096))
-    window = config.get("sliding_window")
-    uses_window = config.get("use_sliding_window", config.get("model_type") != "qwen2")
-    # Within the window, sliding-window attention is full attention: serve that much and no more.
-    return min(longest, int(window)) if window and uses_window else longest
-
-
 def spec_from_config(config: dict) -> ModelSpec:
-    """A ModelSpec from a config.json dict; ConfigError for architectures outside the family."""
-    arch = _architecture(config)
-    if config.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act {config['hidden_act']!r} is not supported (silu only)")
+    """A ModelSpec from a config.json dict; ConfigError for architectures or variants the runtime does not run."""
+    family = family_of(config)
     try:
-        return _spec(arch, config)
+        shape = describe(config)
+        heads = int(config["num_attention_heads"])
+        return ModelSpec(
+            architecture=family.architectures[0], vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]), intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]), num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=shape.layers[0].rope.theta,
+            rope_scaling=shape.layers[0].rope.scaling_dict,
+            max_positions=int(config.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), shape=shape)
     except KeyError as e:
-        raise ConfigError(f"config.json lacks {e.args[0]!r}, which a {arch} needs") from None
-
-
-def _spec(arch: str, config: dict) -> ModelSpec:
-    heads = int(config["num_attention_heads"])
-    theta, scaling = _rope(config)
-    return ModelSpec(
-        architecture=arch, vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
-        intermediate_size=int(config["intermediate_size"]), num_layers=int(config["num_hidden_layers"]),
-        num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-        max_positions=_max_positions(config), tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
+        raise ConfigError(f"config.json lacks {e.args[0]!r}, which a {family.architectures[0]} needs") from None
 
 
 class ConcatLinear(nn.Module):
@@ -118,22 +100,37 @@ class ConcatLinear(nn.Module):
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
+# The runtime's norm buffers by the family's norm slots (stages/families.py NORM_SLOTS).
+NORM_BUFFERS = {"input": "input_norm", "mlp": "post_norm", "attn_out": "attn_out_norm", "mlp_out": "mlp_out_norm",
+                "q": "q_norm", "k": "k_norm"}
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm attention block and SwiGLU MLP with fused projections."""
+    """Pre-norm attention block and gated MLP with fused projections; the family's variant decides which of
+    the optional norms exist (q/k norms, Gemma's sandwich norms on each block's output) and the gate's
+    activation. A Llama layer (input and post norms only, SiLU) is what the fused decode step takes."""
 
     def __init__(self, spec: ModelSpec, backend: Backend, dtype=None):
         super().__init__()
-        h = spec.hidden_size
+        h, family = spec.hidden_size, spec.family
         # The projections are the backend's modules, set by the loader:
         self.qkv: nn.Module | None = None  # [T, H] -> [T, (Hq + 2 Hk) * D]
         self.o_proj: nn.Module | None = None  # [T, Hq * D] -> [T, H]
         self.gate_up: nn.Module | None = None  # [T, H] -> [T, 2 I]
         self.down: nn.Module | None = None  # [T, I] -> [T, H]
-        self.register_buffer("input_norm", torch.empty(h, dtype=dtype))
-        self.register_buffer("post_norm", torch.empty(h, dtype=dtype))
+        for slot, name in NORM_BUFFERS.items():
+            size = spec.head_dim if slot in ("q", "k") else h
+            self.register_buffer(name, torch.empty(size, dtype=dtype) if slot in family.norms else None)
         self.backend = backend
         self.eps, self.q_size, self.kv_size = spec.rms_norm_eps, spec.q_size, spec.kv_size
         self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.activation = spec.shape.activation
+
+    @property
+    def llama_shaped(self) -> bool:
+        """Only the input and post norms and a SiLU gate: the layer the fused decode step computes."""
+        extra = (self.attn_out_norm, self.mlp_out_norm, self.q_norm, self.k_norm)
+        return self.activation == "silu" and all(n is None for n in extra)
 
     def forward(self, x, residual, attn, kv_cache):
         """x, residual [T, H] -> (mlp output, residual stream); residual None in the first layer."""
@@ -147,11 +144,26 @@ class DecoderLayer(nn.Module):
         q = qkv[:, :qs].view(t, self.heads, self.head_dim)  # [T, Hq, D]
         k = qkv[:, qs:qs + ks].view(t, self.kv_heads, self.head_dim)  # [T, Hk, D]
         v = qkv[:, qs + ks:].view(t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            self._head_norm(q, self.q_norm)
+        if self.k_norm is not None:
+            self._head_norm(k, self.k_norm)
         attn.rotate(qkv[:, :qs + ks], q, k)
         o = attn.attend(q, k, v, qkv[:, qs:], kv_cache)  # [T, Hq, D]
         x = self.o_proj(o.reshape(t, qs))
+        if self.attn_out_norm is not None:
+            x = ops.rms_norm(x, self.attn_out_norm, self.eps)
         h, residual = ops.rms_norm(x, self.post_norm, self.eps, residual)
-        return self.down(ops.silu_and_mul(self.gate_up(h))), residual
+        gate_up = self.gate_up(h)  # [T, 2 I]
+        x = self.down(ops.silu_and_mul(gate_up) if self.activation == "silu" else ops.gelu_tanh_and_mul(gate_up))
+        if self.mlp_out_norm is not None:
+            x = ops.rms_norm(x, self.mlp_out_norm, self.eps)
+        return x, residual
+
+    def _head_norm(self, x, weight):
+        """RMSNorm of every head of x [T, heads, D] over D, written back into x (a view of the fused qkv)."""
+        t = x.shape[0]
+        x.copy_(self.backend.rms_norm(x.reshape(t * x.shape[1], self.head_dim), weight, self.eps).view_as(x))
 
 
 class Runtime(nn.Module):
@@ -169,12 +181,38 @@ class Runtime(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, backend, dtype) for _ in range(spec.num_layers))
         self.register_buffer("norm", torch.empty(spec.hidden_size, dtype=dtype))
         self.lm_head: nn.Module | None = None  # [R, H] -> [R, vocab]: the backend's module, set by the loader
-        self.register_buffer("cos_sin_cache", None, persistent=False)  # [max_positions, head_dim] fp32
+        # One cos||sin table [max_positions, head_dim] fp32 per RoPE of the model's attention kinds (Gemma 3: a
+        # local and a global base), set by the loader; `cos_sin_cache` is the first.
+        self.rope_caches: list[torch.Tensor] = []
+        # Layers attend by KV-cache layer group: each group's own block tables, its layers' window and RoPE.
+        self.kv_groups = spec.shape.kv
         self.tp: TensorParallel | None = None  # set on the ranks of a sharded model (serve/tp)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.norm.dtype  # the embedding may hold int8 codes
+
+    @property
+    def cos_sin_cache(self) -> torch.Tensor:
+        return self.rope_caches[0]
+
+    @property
+    def fusable(self) -> bool:
+        """Whether a backend's fused decode step can take this model's layers: Llama-shaped layers in one KV
+        layer group without a window (one RoPE table)."""
+        return self.kv_groups.count == 1 and self.kv_groups.windows == (None,) and \
+            all(layer.llama_shaped for layer in self.layers)
+
+    def attentions(self, backend: Backend, metas: list, scale: float, block_size: int) -> list:
+        """One attention object per KV layer group, from its step metadata `metas[g]` (layer i uses
+        `[kv_groups.groups[i]]`)."""
+        ropes = list(dict.fromkeys(k.rope for k in self.kv_groups.kinds))
+        out = []
+        for kind, meta in zip(self.kv_groups.kinds, metas):
+            table = self.rope_caches[ropes.index(kind.rope)]
+            window = {} if kind.window is None else {"window": kind.window}
+            out.append(backend.attention(meta, table, scale, block_size, self.dtype, **window))
+        return out
 
     @property
     def device(self) -> torch.device:
@@ -188,25 +226,30 @@ class Runtime(nn.Module):
     def embed(self, token_ids):
         lookup = None if self.embed_scale is None else self._dequantized_rows
         if self.tp is None:
-            return F.embedding(token_ids, self.embed_tokens) if lookup is None else lookup(token_ids)
-        return vocab_parallel_embedding(token_ids, self.embed_tokens, self.tp.vocab_start, self.tp.group, lookup)
+            x = F.embedding(token_ids, self.embed_tokens) if lookup is None else lookup(token_ids)
+        else:
+            x = vocab_parallel_embedding(token_ids, self.embed_tokens, self.tp.vocab_start, self.tp.group, lookup)
+        scale = self.spec.shape.embedding_scale
+        # Gemma: sqrt(H) rounded to the model's dtype first, as transformers does
+        return x if scale is None else x * torch.tensor(scale, dtype=x.dtype)
 
     def _dequantized_rows(self, token_ids):
         """Rows [T, H] of the int8 table, `q * scale` in fp32 then the runtime's dtype (as the eval path)."""
         codes, scale = self.embed_tokens[token_ids], self.embed_scale[token_ids]  # [T, H], [T, H/g]
         return dequantize(codes, scale).to(self.dtype)
 
-    def forward(self, token_ids, attn, kv_caches, fused=None):
-        """token_ids [T] -> (hidden, residual) [T, H] before the final norm. kv_caches: every layer's cache
-        [num_blocks, block_size, 2, Hk, D], stacked in one tensor. fused: the backend's whole-model decode
-        step (`Backend.fused_decode`), which replaces the layers for the steps it takes."""
+    def forward(self, token_ids, attns, kv_caches, fused=None):
+        """token_ids [T] -> (hidden, residual) [T, H] before the final norm. attns: the step's attention
+        objects, one per KV layer group (`attentions`). kv_caches: each layer's cache [num_blocks,
+        block_size, 2, Hk, D]. fused: `fused(x, attn)`, the backend's whole-model decode step
+        (`Backend.fused_decode`) bound to the cache, which replaces the layers for the steps it takes."""
         x = self.embed(token_ids)  # [T, H]
-        out = fused(x, attn, kv_caches) if fused is not None else None
+        out = fused(x, attns[0]) if fused is not None else None
         if out is not None:
             return out
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):  # kv_cache [num_blocks, block_size, 2, Hk, D]
-            x, residual = layer(x, residual, attn, kv_cache)
+        for layer, group, kv_cache in zip(self.layers, self.kv_groups.groups, kv_caches):
+            x, residual = layer(x, residual, attns[group], kv_cache)  # kv_cache [blocks, block_size, 2, Hk, D]
         return x, residual
 
     def compute_logits(self, x, residual, indices) -> torch.Tensor:
@@ -214,7 +257,9 @@ class Runtime(nn.Module):
         h, _ = self.backend.rms_norm(x.index_select(0, indices), self.norm, self.spec.rms_norm_eps,
                                      residual.index_select(0, indices))
         logits = self.lm_head(h).float()  # [R, vocab (this rank's slice under tensor parallelism)]
-        return logits if self.tp is None else gather_vocab(logits, self.tp.vocab_sizes, self.tp.group)
+        logits = logits if self.tp is None else gather_vocab(logits, self.tp.vocab_sizes, self.tp.group)
+        cap = self.spec.shape.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 @dataclass

@@ -38,9 +38,10 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
 
 
 def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one cache block takes over all layers, keys and values."""
+    """Bytes one cache block takes over the layers of a layer group (all layers where there is one group),
+    keys and values."""
     item = torch.empty(0, dtype=dtype).element_size()
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * item
+    return 2 * spec.shape.kv.size * block_size * spec.num_kv_heads * spec.head_dim * item
 
 
 def parse_kv_cache_memory(value) -> float | int:
@@ -175,15 +176,19 @@ class ModelRunner:
         self.runtime, self.num_blocks, self.block_size = runtime, num_blocks, block_size
         self.backend, self.prebuild = runtime.backend, prebuild
         self.kv_dtype = kv_dtype or runtime.dtype
-        shape = (spec.num_layers, num_blocks, block_size, 2, spec.num_kv_heads, spec.head_dim)
+        # One pool of blocks shared by the layer groups (stages/families.py KVGroups): block b of slot j is
+        # layer j's of whichever group holds b. One group (most models): slot j is layer j.
+        self.kv_groups = spec.shape.kv
+        shape = (self.kv_groups.size, num_blocks, block_size, 2, spec.num_kv_heads, spec.head_dim)
         # Zeroed, not left empty: padded gathers may read never-written slots, and 0 * NaN would leak.
         # Resident from the start, not lazily mapped (torch.zeros' calloc): RSS does not creep up as
         # serving reaches blocks for the first time, and no step pays those page faults.
         self.kv_cache = resident_zeros(shape, self.kv_dtype, runtime.device, lazy=not populate)
-        self.kv_caches = list(self.kv_cache)
+        self.kv_caches = [self.kv_cache[j] for j in self.kv_groups.slots]  # per layer
         self.k_caches, self.v_caches = [c[:, :, 0] for c in self.kv_caches], [c[:, :, 1] for c in self.kv_caches]
-        self.scale = spec.head_dim ** -0.5
-        self.fused_decode = self.backend.fused_decode(runtime.layers)  # None where the backend has none
+        self.scale = spec.shape.attention_scale
+        # None where the backend has none, or the model's layers are not the ones it computes
+        self.fused_decode = self.backend.fused_decode(runtime.layers) if runtime.fusable else None
         self.graphs: DecodeGraphs | None = None  # the captured decode steps, once `capture_decode_graphs` ran
 
     def make_kv_cache_resident(self) -> bool:
@@ -206,6 +211,8 @@ class ModelRunner:
         graphs (`cuda_graphs.CudaGraphCapture`); tests pass `cuda_graphs.EagerCapture`."""
         if self.fused_decode is not None:
             raise ConfigError(f"the {self.backend.name} backend's fused decode step cannot be captured in graphs")
+        if self.kv_groups.count > 1:  # the graphs' static buffers hold one block table per row
+            raise ConfigError("CUDA graphs cannot capture a model with several KV layer groups yet; use --enforce-eager")
         cuda = self.kv_cache.device.type == "cuda"
         free = free_memory_bytes(self.kv_cache.device) if cuda else 0
         start = time.perf_counter()
@@ -247,6 +254,11 @@ class ModelRunner:
         return self.runtime.vocab_size
 
     @property
+    def kv_windows(self) -> tuple[int | None, ...]:
+        """The window of each layer group's attention (None: full); the block manager's `windows`."""
+        return self.kv_groups.windows
+
+    @property
     def max_fused_rows(self) -> int | None:
         """The most rows a decode step may have and still run the fused decode step (None: there is none). A
         speculative verify step stays within it, so its rows run the kernels a one-token decode runs."""
@@ -269,17 +281,27 @@ class ModelRunner:
             hidden, residual, rows = self.graphs.run(step, bucket)
             return self.runtime.compute_logits(hidden, residual, rows)
         step = self._on_device(step)
-        meta = StepMetadata(step.positions, step.cu_seqlens_q, step.context_lens, step.block_tables,
-                            step.slot_mapping, step.max_query_len)
-        attn = self.backend.attention(meta, self.runtime.cos_sin_cache, self.scale, self.block_size,
-                                      self.runtime.dtype)
-        x, residual = self.runtime(step.token_ids, attn, self.kv_cache, self.fused_decode if fused else None)
+        attns = self.runtime.attentions(self.backend, self.group_metadata(step), self.scale, self.block_size)
+        decode = self.fused_decode if fused else None
+        x, residual = self.runtime(step.token_ids, attns, self.kv_caches,
+                                   None if decode is None else lambda h, attn: decode(h, attn, self.kv_cache))
         return self.runtime.compute_logits(x, residual, step.logits_indices)
+
+    def group_metadata(self, step: StepInput) -> list[StepMetadata]:
+        """The step's attention metadata of each layer group: its block tables and cache slots."""
+        tables = (step.block_tables, *step.extra_block_tables)
+        slots = (step.slot_mapping, *step.extra_slot_mappings)
+        if len(tables) != self.kv_groups.count:
+            raise ValueError(f"the step brings block tables of {len(tables)} layer groups, the model has "
+                             f"{self.kv_groups.count}")
+        return [StepMetadata(step.positions, step.cu_seqlens_q, step.context_lens, t, s, step.max_query_len)
+                for t, s in zip(tables, slots)]
 
     def _on_device(self, step: StepInput) -> StepInput:
         device = self.kv_cache.device
         if step.token_ids.device == device:
             return step
+        move = lambda v: v.to(device, non_blocking=True) if torch.is_tensor(v) else v  # noqa: E731
         moved = {f.name: getattr(step, f.name) for f in dataclasses.fields(step)}
-        moved = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in moved.items()}
+        moved = {k: tuple(map(move, v)) if isinstance(v, tuple) else move(v) for k, v in moved.items()}
         return StepInput(**moved)

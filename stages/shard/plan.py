@@ -1,8 +1,8 @@
 """The tensor-parallel split plan: which rank holds which heads, MLP channels and vocabulary rows.
 
-Megatron-style: q/k/v and gate/up are column-parallel (a rank holds some output rows), o_proj and
-down_proj row-parallel (the matching input columns; partial sums are all-reduced), the embedding
-and lm_head vocab-parallel, norms replicated.
+Megatron-style: q/k/v and gate/up are column-parallel (a rank holds some output rows; of a fused
+qkv_proj or gate_up_proj, its rows of each section), o_proj and down_proj row-parallel (the matching
+input columns; partial sums are all-reduced), the embedding and lm_head vocab-parallel, norms replicated.
 
 Query heads need not divide by the rank count (SmolLM2-135M: 9 query heads, 3 KV heads, --tp 4).
 Each rank takes a contiguous run of whole query heads, sizes as even as possible, and the KV heads
@@ -74,7 +74,8 @@ def make_plan(config: dict, tp: int, mlp_unit: int = 1) -> dict:
     if inter % mlp_unit:  # the remainder channels go to the last rank
         ranks[-1]["mlp"][1] = inter
     return {"tp": tp, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
-            "intermediate_size": inter, "vocab_size": vocab, "ranks": ranks}
+            "hidden_size": int(config["hidden_size"]), "intermediate_size": inter, "vocab_size": vocab,
+            "ranks": ranks}
 
 
 def local_config(config: dict, rank: dict, plan: dict) -> dict:

@@ -14,6 +14,7 @@ from pathlib import Path
 from ..artifact import Artifact, ArtifactWriter, check_destination, member_path, rank_dir, safetensors_bytes
 from ..compressed import LinearScheme, parse_schemes
 from ..errors import ArtifactError, ConfigError
+from ..families import Family, describe
 from ..safetensors_io import ShardWriter, load_dir, weight_files
 from ..source import as_artifact, resolve, source_record
 from ..progress import StageHooks
@@ -21,7 +22,6 @@ from .config import ShardConfig
 from .plan import check_row_groups, make_plan, mlp_unit_for, row_split_points
 from .split import RankSlicer
 
-SERVED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
 PART_BYTES = 1 << 30  # a rank's weights go to files of about this size
 
@@ -39,15 +39,16 @@ def run_shard(source_ref: str, dest: Path, config: ShardConfig, force: bool = Fa
     directory = parent.path if parent else source.path
     if parent is not None and parent.tensor_parallel:
         raise ConfigError(f"{source_ref} is already sharded (tp={parent.tensor_parallel['tp']}); shard its parent")
-    model_config = _read_config(directory)
+    model_config, family = _read_config(directory)
     state = load_dir(directory, parent.weight_files if parent else weight_files(directory))
     schemes = _schemes(model_config, state)
-    plan = _plan(model_config, schemes, config.tp)
+    plan = _plan(model_config, family, schemes, config.tp)
     start = time.perf_counter()
     with ArtifactWriter(dest, force=force) as w:
         w.check_space(safetensors_bytes(directory))  # the ranks' slices add up to the source (norms repeat)
         _copy_model_files(directory, w.tmp)
-        rank_bytes = [_write_rank(w.tmp, state, schemes, plan, r, model_config, hooks) for r in range(config.tp)]
+        rank_bytes = [_write_rank(w.tmp, RankSlicer(state, schemes, plan, r, family), model_config, hooks)
+                      for r in range(config.tp)]
         total = safetensors_bytes(directory)
         model = dict(parent.manifest.get("model", {})) if parent else {}
         model["tensor_parallel"] = plan
@@ -60,19 +61,21 @@ def run_shard(source_ref: str, dest: Path, config: ShardConfig, force: bool = Fa
         return w.commit("shard", config.to_dict(), parent, source_record(source, parent), model=model, metrics=metrics)
 
 
-def _read_config(directory: Path) -> dict:
+def _read_config(directory: Path) -> tuple[dict, Family]:
+    """(config.json, the model's Family); refuses what the serve runtime would not run (stages/families.py)."""
     import json
 
     try:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ArtifactError(f"{directory}/config.json cannot be read ({e})") from None
-    arch = (config.get("architectures") or ["?"])[0]
-    if arch not in SERVED:
-        raise ConfigError(f"shard: architecture {arch} cannot be split; supported: {', '.join(SERVED)}")
+    try:
+        family = describe(config).family
+    except ConfigError as e:
+        raise ConfigError(f"shard: {e}") from None
     if (config.get("quantization_config") or {}).get("quant_method") == "bitsandbytes":
         raise ConfigError("shard: bitsandbytes artifacts cannot be split; quantize with rtn/gptq/awq/smoothquant")
-    return config
+    return config, family
 
 
 def _schemes(config: dict, state: dict) -> dict[str, LinearScheme]:
@@ -83,13 +86,14 @@ def _schemes(config: dict, state: dict) -> dict[str, LinearScheme]:
     return parse_schemes(qconfig, names)
 
 
-def _plan(config: dict, schemes: dict[str, LinearScheme], tp: int) -> dict:
+def _plan(config: dict, family: Family, schemes: dict[str, LinearScheme], tp: int) -> dict:
     """The split plan, refused when a row-parallel cut would split a quantization group or an int32 pack."""
-    down = [s for n, s in schemes.items() if n.endswith("mlp.down_proj")]
+    o_proj, down_proj = "." + family.projections["o_proj"][0], "." + family.projections["down"][0]
+    down = [s for n, s in schemes.items() if n.endswith(down_proj)]
     plan = make_plan(config, tp, mlp_unit_for([_cut_unit(s, int(config["intermediate_size"])) for s in down]))
     for name, scheme in sorted(schemes.items()):
-        kind = name.rsplit(".", 1)[-1]
-        if kind in ("o_proj", "down_proj"):
+        if name.endswith((o_proj, down_proj)):
+            kind = "o_proj" if name.endswith(o_proj) else "down_proj"
             width = plan["num_heads"] * plan["head_dim"] if kind == "o_proj" else plan["intermediate_size"]
             check_row_groups(name, width, _cut_unit(scheme, width), row_split_points(plan, kind), tp)
     return plan
@@ -112,10 +116,11 @@ def _copy_model_files(src: Path, dst: Path) -> None:
             shutil.copy2(member_path(src, p.name, f"{src}: file"), dst / p.name)
 
 
-def _write_rank(root: Path, state: dict, schemes: dict, plan: dict, rank: int, config: dict, hooks) -> int:
+def _write_rank(root: Path, slicer: RankSlicer, config: dict, hooks) -> int:
+    rank = slicer.rank["rank"]
     folder = root / rank_dir(rank)
     folder.mkdir()
-    slicer = RankSlicer(state, schemes, plan, rank)
+    state = slicer.state
     writer = ShardWriter(folder, PART_BYTES)  # files of up to PART_BYTES, not one per layer
     writer.add(slicer.vocab("model.embed_tokens"))
     for i in range(int(config["num_hidden_layers"])):

@@ -5,14 +5,20 @@ whole output rows (codes, scales and zero points of those rows); row-parallel la
 columns on group boundaries (their scale and zero-point columns go with them), and per-channel
 scales, which belong to output rows, are kept whole on every rank. An int8 embedding (and its tied
 lm_head) is split like a column-parallel layer: vocabulary rows of codes and scales.
+
+The layer's tensor names come from its Family (stages/families.py). A fused Linear (Phi-3's qkv_proj, rows
+q || k || v, and gate_up_proj, gate || up) gives each rank its own rows of every section, in the same order, so
+a rank's qkv_proj is q_local || k_local || v_local: the fused layout of its local config. Norms are copied
+whole (q/k norms are per head_dim, so every rank needs all of them).
 """
 from __future__ import annotations
 
 import torch
 
 from ..compressed import LinearScheme, compress_linear, decompress_linear
+from ..families import Family
 
-ATTN_QKV = ("q_proj", "k_proj", "v_proj")
+ROW_PARALLEL = ("o", "down")  # sections whose input columns are split (the rest: output rows)
 
 
 def head_rows(heads: list[int], head_dim: int) -> torch.Tensor:
@@ -21,28 +27,31 @@ def head_rows(heads: list[int], head_dim: int) -> torch.Tensor:
 
 
 class RankSlicer:
-    """Cuts the tensors of `state` (HF names) for one rank of `plan`."""
+    """Cuts the tensors of `state` (HF names, laid out as `family` says) for one rank of `plan`."""
 
-    def __init__(self, state: dict, schemes: dict[str, LinearScheme], plan: dict, rank: int):
-        self.state, self.schemes, self.plan = state, schemes, plan
+    def __init__(self, state: dict, schemes: dict[str, LinearScheme], plan: dict, rank: int, family: Family):
+        self.state, self.schemes, self.plan, self.family = state, schemes, plan, family
         self.rank = plan["ranks"][rank]
         d = plan["head_dim"]
-        self.rows = {"q_proj": head_rows(self.rank["q_heads"], d),
-                     "k_proj": head_rows(self.rank["kv_heads"], d), "v_proj": head_rows(self.rank["kv_heads"], d)}
-        m0, m1 = self.rank["mlp"]
-        self.mlp = torch.arange(m0, m1)
-        self.o_cols = head_rows(self.rank["q_heads"], d)
+        heads, kv_heads = head_rows(self.rank["q_heads"], d), head_rows(self.rank["kv_heads"], d)
+        mlp = torch.arange(*self.rank["mlp"])
+        # this rank's rows of each section (o, down: its input columns), counted from the section's start
+        local = {"q": heads, "k": kv_heads, "v": kv_heads, "o": heads, "gate": mlp, "up": mlp, "down": mlp}
+        starts = family.section_rows(plan["hidden_size"], plan["num_heads"] * d, plan["num_kv_heads"] * d,
+                                     plan["intermediate_size"])
+        self.cuts = {}  # Linear under the layer -> ("rows" | "cols", indices)
+        for name, sections in family.sections().items():
+            if sections[0] in ROW_PARALLEL:
+                self.cuts[name] = ("cols", local[sections[0]])
+            else:  # a fused Linear: each section's local rows, shifted to where the section starts
+                self.cuts[name] = ("rows", torch.cat([local[s] + starts[s][1] for s in sections]))
 
     def layer(self, prefix: str) -> dict:
         """Every tensor of decoder layer `prefix` (model.layers.i) for this rank."""
         out = {}
-        for p in ATTN_QKV:
-            out.update(self.linear(f"{prefix}.self_attn.{p}", rows=self.rows[p]))
-        out.update(self.linear(f"{prefix}.self_attn.o_proj", cols=self.o_cols))
-        for p in ("gate_proj", "up_proj"):
-            out.update(self.linear(f"{prefix}.mlp.{p}", rows=self.mlp))
-        out.update(self.linear(f"{prefix}.mlp.down_proj", cols=self.mlp))
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for name, (kind, index) in self.cuts.items():
+            out.update(self.linear(f"{prefix}.{name}", **{kind: index}))
+        for norm in self.family.norms.values():
             out[f"{prefix}.{norm}.weight"] = self.state[f"{prefix}.{norm}.weight"]
         return out
 

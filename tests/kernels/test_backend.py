@@ -11,7 +11,7 @@ import torch
 from llmopt.kernels import BACKENDS, KernelBackendError, cpu_native, rms_norm, rms_norm_ref, select_backend
 from llmopt.kernels.cpu_backends import CpuNativeBackend, CpuTorchBackend
 from llmopt.kernels.op_backends import ReferenceBackend, TritonBackend
-from tests.kernels.helpers import HAS_TRITON, requires_triton
+from tests.kernels.helpers import HAS_TRITON, assert_close, requires_triton
 
 
 def test_op_default_on_cpu_tensors_is_the_torch_twin():
@@ -58,6 +58,39 @@ def test_names_that_cannot_run_here_say_why_in_one_line():
     if cpu_native.gemv_available():
         with pytest.raises(KernelBackendError, match="^cpu-native: native kernels take fp32 or bf16, not float16"):
             select_backend("cpu-native", "cpu", torch.float16)
+
+
+BACKEND_CLASSES = (CpuTorchBackend, CpuNativeBackend, ReferenceBackend, TritonBackend)
+
+
+def test_every_backend_has_the_protocols_ops_with_its_signature():
+    """The Backend protocol's ops with their parameters and defaults (window=None) on every backend class."""
+    import inspect
+
+    from llmopt.kernels.backend import Backend
+
+    for op in ("silu_and_mul", "gelu_tanh_and_mul", "attention"):
+        expected = inspect.signature(getattr(Backend, op))
+        for cls in BACKEND_CLASSES:
+            got = inspect.signature(getattr(cls, op))
+            assert [(p.name, p.default) for p in got.parameters.values()] == \
+                   [(p.name, p.default) for p in expected.parameters.values()], (cls.__name__, op)
+
+
+GELU_CASES = [("cpu-torch", torch.float32), ("cpu-torch", torch.bfloat16), ("cpu-native", torch.float32),
+              ("cpu-native", torch.bfloat16), ("reference", torch.float32), ("triton", torch.float32)]
+
+
+@pytest.mark.parametrize("name, dtype", GELU_CASES, ids=[f"{n}-{str(t)[6:]}" for n, t in GELU_CASES])
+def test_every_backend_runs_gelu_tanh_and_mul(name, dtype):
+    if name == "cpu-native" and not cpu_native.gemv_available() or name == "triton" and not HAS_TRITON:
+        pytest.skip(f"{name} cannot run here")
+    x = (torch.randn(5, 2 * 48, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    out = select_backend(name, "cpu", dtype).gelu_tanh_and_mul(x)
+    gate, up = x.double().chunk(2, -1)
+    expected = gate * torch.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate ** 3)) * up  # g sigmoid(2u) = gelu
+    assert out.dtype == dtype and out.shape == (5, 48)
+    assert_close(out, expected, dtype)
 
 
 def test_cpu_backends_take_their_tuning_as_constructor_arguments():

@@ -154,6 +154,24 @@ def test_silu_mul_and_rope_match_torch(dtype):
     assert torch.equal(wide[:, heads * d:], rest)  # what follows q||k in the row is untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul_matches_float64(dtype):
+    """gelu(gate, approximate="tanh") * up against the formula in fp64, rounded where transformers' MLP rounds
+    (the gelu, then the product): fp32 to an ulp or so, bf16 to one rounding step. Inputs reach both tails."""
+    gu = _rand(20, 2 * 96, seed=1, dtype=dtype) * 4
+    gate, up = gu.double().chunk(2, -1)
+    # (1 + tanh(u)) / 2 as sigmoid(2u): the same function, without the cancellation that zeroes it for u < -19
+    # even in fp64
+    gelu = gate * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate ** 3))
+    ref = gelu.to(dtype) * up.to(dtype)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=0)
+    out = cpu_native.gelu_tanh_mul(gu)
+    assert out.dtype == dtype and out.shape == (20, 96)
+    torch.testing.assert_close(out, ref, **tol)
+    wide = torch.cat([gu, gu[:, :5]], 1)[:, :2 * 96]  # rows with a stride wider than 2I
+    torch.testing.assert_close(cpu_native.gelu_tanh_mul(wide), out, rtol=0, atol=0)
+
+
 
 def test_quantized_gemvs_hold_fp32_accuracy_with_outliers_zero_rows_and_many_rows():
     """The VNNI paths hold x as a 24-bit fixed point per block of inputs: an outlier 50 times the rest

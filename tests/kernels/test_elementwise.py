@@ -1,10 +1,10 @@
-"""rms_norm, silu_and_mul and rotary: Triton kernel vs torch twin, twin vs first principles."""
+"""rms_norm, silu_and_mul, gelu_tanh_and_mul and rotary: Triton kernel vs torch twin, twin vs first principles."""
 import math
 
 import pytest
 import torch
 
-from llmopt.kernels import apply_rotary, build_cos_sin_cache, rms_norm, silu_and_mul
+from llmopt.kernels import apply_rotary, build_cos_sin_cache, gelu_tanh_and_mul, rms_norm, silu_and_mul
 from llmopt.kernels.rotary import apply_rotary_ref
 from tests.kernels.helpers import assert_close, requires_triton
 
@@ -44,6 +44,27 @@ def test_silu_and_mul(device_dtype, shape):
     assert_close(silu_and_mul(x, backend="triton"), ref, dtype)
     gate, up = x.double().chunk(2, -1)
     assert_close(ref, gate * torch.sigmoid(gate) * up, dtype)
+
+
+def gelu_tanh_float64(gate):
+    """transformers' gelu_pytorch_tanh in fp64, 0.5 g (1 + tanh(u)) written as g sigmoid(2u): the same function,
+    without the cancellation of 1 + tanh(u) in the negative tail."""
+    return gate * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3))
+
+
+@pytest.mark.parametrize("shape", [(1, 128), (3, 2, 70), (17, 3072)])
+def test_gelu_tanh_and_mul(device_dtype, shape):
+    device, dtype = device_dtype
+    x = torch.randn(*shape, device=device, dtype=dtype) * 4  # into both tails, where 1 + tanh cancels
+    ref = gelu_tanh_and_mul(x, backend="torch")
+    assert_close(gelu_tanh_and_mul(x, backend="triton"), ref, dtype)
+    gate, up = x.double().chunk(2, -1)
+    assert_close(ref, gelu_tanh_float64(gate) * up, dtype)
+
+
+def test_gelu_tanh_and_mul_refuses_an_odd_width():
+    with pytest.raises(ValueError, match="must be even"):
+        gelu_tanh_and_mul(torch.randn(2, 7), backend="torch")
 
 
 def _rotate_half_reference(x, cos, sin):

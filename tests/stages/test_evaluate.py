@@ -83,3 +83,17 @@ def test_bad_inputs(tiny_hf, tmp_path):
     binary.write_bytes(b"\xff\xfe\x00abc")
     with pytest.raises(DataError, match="not UTF-8"):
         evaluate(model, tok, EvalConfig(text=str(binary)))
+
+
+def test_the_serve_runtime_gives_transformers_perplexity(tiny_hf, text_file):
+    """`--runtime serve`: the engine's runner computes each window's logits (one prefill step, every row)."""
+    from llmopt.stages.eval.run import run_eval
+
+    path, _, _ = tiny_hf
+    base = dict(text=str(text_file), seqlen=24, max_windows=3)
+    ours = run_eval(str(path), EvalConfig(**base, runtime="serve"), store=False)
+    theirs = run_eval(str(path), EvalConfig(**base), store=False)
+    assert ours.window_nll == pytest.approx(theirs.window_nll, rel=1e-5)
+    assert EvalConfig(**base, runtime="serve").metric_key().endswith("/serve-runtime")
+    with pytest.raises(ConfigError, match="--runtime"):
+        EvalConfig(runtime="vllm").validate()

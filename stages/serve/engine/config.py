@@ -135,9 +135,10 @@ class EngineConfig:
         """Running sequences allowed at once: max_num_seqs, capped by max_batch_size."""
         return min(self.max_num_seqs, self.max_batch_size or self.max_num_seqs)
 
-    def resolved(self, num_blocks: int, model_max_len: int) -> EngineConfig:
-        """This config with num_blocks and max_model_len filled in for a loaded model and cache."""
-        capacity = num_blocks * self.block_size
+    def resolved(self, num_blocks: int, model_max_len: int, kv_groups: int = 1) -> EngineConfig:
+        """This config with num_blocks and max_model_len filled in for a loaded model and cache (kv_groups:
+        its KV layer groups, each of which holds a whole prompt's blocks at admission)."""
+        capacity = num_blocks // kv_groups * self.block_size
         max_len = self.max_model_len or min(model_max_len, capacity)
         if max_len > capacity:
             raise ConfigError(f"the KV cache holds {capacity} tokens, fewer than --max-model-len {max_len}; "

@@ -23,6 +23,7 @@ class DraftSeq:
         self.tokens: list[int] = []  # tokens whose K/V are in the draft cache, in order
         self.own = 0  # tokens[:own] are the sequence's own (the rest are drafts, maybe rejected since)
         self.block_table: list[int] = []
+        self.extra_tables: list[list[int]] = []  # the draft model's KV layer groups 1.. (block_manager.py)
         self.block_hashes: list[int] = []
         self.num_computed_tokens = self.num_cached_tokens = 0
 
@@ -45,7 +46,8 @@ class DraftProposer:
 
     def __init__(self, runner):
         self.runner = runner
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False,
+                                   windows=runner.kv_windows)
         self.states: dict[str, DraftSeq] = {}  # by request id
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
@@ -56,14 +58,15 @@ class DraftProposer:
         step = StepBuilder(self.runner.block_size)
         for _, state, _ in live:  # catch up, and the first draft
             todo = state.seq.token_ids[state.num_tokens:]
-            step.add(todo, state.num_tokens, state.block_table, 1, as_rows=len(todo) <= MAX_ROWS_CATCH_UP)
+            step.add(todo, state.num_tokens, state.block_table, 1, as_rows=len(todo) <= MAX_ROWS_CATCH_UP,
+                     extra_tables=state.extra_tables)
             state.tokens += todo
             state.own = state.num_tokens
         for depth in range(max((k for _, _, k in live), default=0)):
             if depth:
                 step = StepBuilder(self.runner.block_size)
                 for i, state, _ in live:
-                    step.add([drafts[i][-1]], state.num_tokens, state.block_table, 1)
+                    step.add([drafts[i][-1]], state.num_tokens, state.block_table, 1, extra_tables=state.extra_tables)
                     state.tokens.append(drafts[i][-1])
             for (i, _, _), token in zip(live, self.runner.execute(step.build()).argmax(dim=-1).tolist()):
                 drafts[i].append(token)

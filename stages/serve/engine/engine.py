@@ -83,13 +83,14 @@ class LLMEngine:
         model's `DraftProposer` comes from whoever loaded the model, see stages/serve/build.py)."""
         if runner.block_size != config.block_size:
             raise ValueError(f"runner block size {runner.block_size} != engine block size {config.block_size}")
-        self.config = config.resolved(runner.num_blocks, runner.max_model_len)
+        windows = tuple(getattr(runner, "kv_windows", (None,)))
+        self.config = config.resolved(runner.num_blocks, runner.max_model_len, len(windows))
         self.runner, self.tokenizer = runner, tokenizer
-        self.scheduler = Scheduler(self.config)
+        self.scheduler = Scheduler(self.config, windows)
         self.sampler = Sampler(self.config.seed)
         eos = [tokenizer.eos_token_id] if eos_token_ids is None else list(eos_token_ids)
         self.eos_token_ids = frozenset(t for t in eos if t is not None)
-        self.checker = RequestChecker(self.config, _vocab_size(runner))
+        self.checker = RequestChecker(self.config, _vocab_size(runner), windows)
         self.thread_governor = None  # CPU: set by the command (llmopt.kernels.threads.governor_for), ticked per step
         self.speculator = _speculator(self.config.speculative, proposer, getattr(runner, "max_fused_rows", None))
         self.iteration_tokens = IterationTokens()

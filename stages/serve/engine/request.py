@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from .block_manager import pages_needed
 from .config import ContextLengthExceeded, EngineConfig, RequestRejected, SamplingParams
 
 
@@ -26,6 +27,7 @@ class RequestChecker:
     """The one check every request passes before it is queued."""
     config: EngineConfig  # resolved: num_blocks and max_model_len are set
     vocab_size: int | None  # None: token ids are not range-checked
+    kv_windows: tuple = (None,)  # the window of each KV layer group (block_manager.py)
 
     def check(self, prompt_token_ids: list[int] | tuple[int, ...], params: SamplingParams) -> None:
         """Raise RequestRejected (ContextLengthExceeded for a too-long one) for a request that
@@ -41,11 +43,11 @@ class RequestChecker:
             raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})")
         if n == 0:
             raise RequestRejected("the prompt is empty; give at least one token")
-        self._check_cache(max_len if max_tokens is None else n + max_tokens)
+        self._check_cache(n, max_len if max_tokens is None else n + max_tokens)
 
-    def _check_cache(self, longest: int) -> None:
+    def _check_cache(self, prompt: int, longest: int) -> None:
         cfg = self.config
-        needed = -(-longest // cfg.block_size)
+        needed = pages_needed(self.kv_windows, cfg.block_size, prompt, longest)
         if needed > cfg.num_blocks:
             raise RequestRejected(f"the request may grow to {longest} tokens ({needed} KV blocks) but the cache has "
                                   f"{cfg.num_blocks} blocks; lower max_tokens or give the cache more memory")

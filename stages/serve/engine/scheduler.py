@@ -47,11 +47,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, kv_windows: tuple[int | None, ...] = (None,)):
+        """kv_windows: the window of each KV layer group (the runner's `kv_windows`; block_manager.py)."""
         if config.num_blocks is None or config.max_model_len is None:
             raise ValueError("Scheduler needs a resolved EngineConfig (num_blocks and max_model_len set)")
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          kv_windows)
         self.requests: dict[str, Sequence] = {}  # every unfinished sequence, by request id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first

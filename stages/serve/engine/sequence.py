@@ -30,6 +30,7 @@ class Sequence:
         self.eos_token_ids = eos_token_ids
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.extra_tables: list[list[int]] = []  # the block tables of layer groups 1.. (block_manager.py)
         self.block_hashes: list[int] = []  # hash of each full, computed block, in order (prefix caching)
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at the last admission
         self.num_computed_tokens = 0

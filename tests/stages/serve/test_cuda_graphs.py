@@ -205,12 +205,14 @@ def test_engine_greedy_tokens_are_the_same_with_graphs(model_dir):
 def test_graphs_apply_on_cuda_with_triton_only():
     from types import SimpleNamespace
 
-    def rt(device, backend, tp=None):
-        return SimpleNamespace(device=torch.device(device), backend=SimpleNamespace(name=backend), tp=tp)
+    def rt(device, backend, tp=None, groups=1):
+        return SimpleNamespace(device=torch.device(device), backend=SimpleNamespace(name=backend), tp=tp,
+                               kv_groups=SimpleNamespace(count=groups))
 
     assert graphs_apply(rt("cuda", "triton"))
     assert not graphs_apply(rt("cpu", "triton")) and not graphs_apply(rt("cuda", "reference"))
     assert not graphs_apply(rt("cuda", "triton", tp=object()))
+    assert not graphs_apply(rt("cuda", "triton", groups=2))  # Gemma 3's local and global layers: eager
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])

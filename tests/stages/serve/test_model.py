@@ -55,12 +55,36 @@ def build_hf(kind: str, seed: int = 0):
         model = Qwen2ForCausalLM(Qwen2Config(**SMALL, tie_word_embeddings=False))
     elif kind == "mistral":
         model = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=None, tie_word_embeddings=False))
+    elif kind in FAMILY_CONFIGS:
+        model = build_family(kind)
     else:
         raise ValueError(kind)
     return _randomize(model, seed)
 
 
-KINDS = ["llama-tied", "llama-untied", "llama3-rope", "qwen2-bias", "mistral"]
+def build_family(kind: str):
+    """A tiny model of one of the families beyond Llama (stages/families.py), HF's own class."""
+    import transformers
+
+    config_cls, model_cls, extra = FAMILY_CONFIGS[kind]
+    config = getattr(transformers, config_cls)(**SMALL, **extra)
+    return getattr(transformers, model_cls)(config)
+
+
+FAMILY_CONFIGS = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=8, tie_word_embeddings=False)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=None, tie_word_embeddings=False)),
+    # a local and a global layer with their own RoPE bases; the window longer than any test's context
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=8, query_pre_attn_scalar=12, sliding_window=512, layer_types=["sliding_attention", "full_attention"],
+        architectures=["Gemma3ForCausalLM"], tie_word_embeddings=True)),
+    # windows shorter than the tests' contexts: the window decides every step shape's logits
+    "gemma3-window": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=8, query_pre_attn_scalar=12, sliding_window=7, layer_types=["sliding_attention", "full_attention"],
+        architectures=["Gemma3ForCausalLM"], tie_word_embeddings=False)),
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6, tie_word_embeddings=False)),
+}
+KINDS = ["llama-tied", "llama-untied", "llama3-rope", "qwen2-bias", "mistral", *FAMILY_CONFIGS]
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -89,7 +113,7 @@ def _check(out, model, seqs, ids):
 
 def test_full_prefill(pair):
     model, runtime = pair
-    seqs = Sequences(32, 16)
+    seqs = Sequences(32, 16, groups=runtime.kv_groups.count)
     a, b = seqs.add(_tokens(23, 1)), seqs.add(_tokens(9, 2))
     out = ModelRunner(runtime, 32, 16).execute(seqs.step([(a, 23), (b, 9)]))
     assert out.shape == (2, VOCAB) and out.dtype == torch.float32
@@ -98,7 +122,7 @@ def test_full_prefill(pair):
 
 def test_chunked_prefill_then_decode(pair):
     model, runtime = pair
-    runner, seqs = ModelRunner(runtime, 64, 4), Sequences(64, 4, seed=3)
+    runner, seqs = ModelRunner(runtime, 64, 4), Sequences(64, 4, seed=3, groups=runtime.kv_groups.count)
     a = seqs.add(_tokens(40, 4))
     for n in (7, 12, 1, 9):  # chunks that continue a cached prefix, one of a single token
         _check(runner.execute(seqs.step([(a, n)])), model, seqs, [a])
@@ -108,7 +132,7 @@ def test_chunked_prefill_then_decode(pair):
 
 def test_mixed_batch_prefill_chunks_and_decodes(pair):
     model, runtime = pair
-    runner, seqs = ModelRunner(runtime, 96, 4), Sequences(96, 4, seed=5)
+    runner, seqs = ModelRunner(runtime, 96, 4), Sequences(96, 4, seed=5, groups=runtime.kv_groups.count)
     a, b, c, d = (seqs.add(_tokens(n, 10 + n)) for n in (30, 25, 14, 20))
     runner.execute(seqs.step([(b, 10), (c, 5)]))
     # c and b decode around a fresh prompt and a continued chunk; contexts of different lengths
@@ -124,7 +148,7 @@ def test_decode_batch_of_unequal_contexts(saved, backend):
         pytest.skip("cpu-native needs a C compiler and an AVX-512 CPU")
     model, path = saved
     runtime, _, _ = load_runtime(str(path), backend=backend)
-    runner, seqs = ModelRunner(runtime, 64, 4), Sequences(64, 4, seed=7)
+    runner, seqs = ModelRunner(runtime, 64, 4), Sequences(64, 4, seed=7, groups=runtime.kv_groups.count)
     ids = [seqs.add(_tokens(n, n)) for n in (3, 11, 6)]
     runner.execute(seqs.step([(s, len(seqs.tokens[s]) - 2) for s in ids]))
     for _ in range(2):
@@ -153,21 +177,22 @@ def test_decode_batch_split_into_length_groups(saved):
     # torch path, every decode its own group (overhead 0), mixed with a prefill chunk: rows scattered back
     model, path = saved
     runtime, _, _ = load_runtime(str(path), backend=CpuTorchBackend(group_overhead_keys=0))
-    runner, seqs = ModelRunner(runtime, 96, 4), Sequences(96, 4, seed=9)
+    runner, seqs = ModelRunner(runtime, 96, 4), Sequences(96, 4, seed=9, groups=runtime.kv_groups.count)
     ids = [seqs.add(_tokens(n, 20 + n)) for n in (3, 41, 6, 29, 17)]
     runner.execute(seqs.step([(s, len(seqs.tokens[s]) - 2) for s in ids[:4]]))
     for work in ([(s, 1) for s in ids[:4]], [(ids[1], 1), (ids[4], 9), (ids[0], 1), (ids[3], 1), (ids[2], 1)]):
         step, out = seqs.step(work), []
         names = kernel_names(lambda: out.append(runner.execute(step)), ("aten::scaled_dot_product_attention",))
         _check(out[0], model, seqs, [s for s, _ in work])
-        assert len(names) == len(work) * runtime.spec.num_layers  # distinct lengths: a call per sequence
+        if runtime.kv_groups.windows == (None,):  # windowed: the lengths a window leaves are not distinct
+            assert len(names) == len(work) * runtime.spec.num_layers  # distinct lengths: a call per sequence
 
 
 def test_runtime_bf16_close_to_fp32(tmp_path):
     model = build_hf("llama-untied")
     runtime, _, _ = load_runtime(str(save_hf(model, tmp_path)), dtype="bf16")
     assert runtime.dtype == torch.bfloat16
-    seqs = Sequences(16, 16)
+    seqs = Sequences(16, 16, groups=runtime.kv_groups.count)
     a = seqs.add(_tokens(12, 0))
     out = ModelRunner(runtime, 16, 16).execute(seqs.step([(a, 12)]))
     ref = hf_last_logits(model, seqs.tokens[a])
@@ -189,7 +214,10 @@ def test_spec_reads_both_rope_config_styles():
                                                                          if k != "rope_theta"}})
     new = spec_from_config({**llama, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5e5}})
     assert old.rope_theta == new.rope_theta == 5e5 and old.rope_scaling == new.rope_scaling
-    assert spec_from_config({**SMALL, "model_type": "mistral", "sliding_window": 64}).max_positions == 64
+    # A window is the attention's, not a cap on the sequence: the whole max_position_embeddings is served.
+    mistral = spec_from_config({**SMALL, "model_type": "mistral", "sliding_window": 64})
+    assert mistral.max_positions == SMALL["max_position_embeddings"]
+    assert {layer.window for layer in mistral.shape.layers} == {64}
     with pytest.raises(ConfigError, match="rope_type 'yarn'"):
         spec_from_config({**llama, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
@@ -200,7 +228,7 @@ def test_kernel_backends_match_transformers(tmp_path, backend):
     under the interpreter); reference: every op's torch twin."""
     model = build_hf("qwen2-bias")
     runtime, _, _ = load_runtime(str(save_hf(model, tmp_path)), backend=backend)
-    runner, seqs = ModelRunner(runtime, 32, 4), Sequences(32, 4, seed=2)
+    runner, seqs = ModelRunner(runtime, 32, 4), Sequences(32, 4, seed=2, groups=runtime.kv_groups.count)
     a, b = seqs.add(_tokens(12, 1)), seqs.add(_tokens(9, 2))
     for work in ([(a, 6), (b, 7)], [(a, 5), (b, 1)], [(b, 1), (a, 1)]):  # prefill, mixed, decode
         _check(runner.execute(seqs.step(work)), model, seqs, [s for s, _ in work])
@@ -210,7 +238,7 @@ def test_kernel_backends_match_transformers(tmp_path, backend):
 def test_prefill_after_a_shared_cached_prefix(pair):
     """Prefix caching: a new sequence starts on another's blocks and prefills only its own tokens."""
     model, runtime = pair
-    runner, seqs = ModelRunner(runtime, 32, 4), Sequences(32, 4, seed=9)
+    runner, seqs = ModelRunner(runtime, 32, 4), Sequences(32, 4, seed=9, groups=runtime.kv_groups.count)
     a = seqs.add(_tokens(14, 3))
     runner.execute(seqs.step([(a, 14)]))
     b = seqs.share_prefix(a, 3, _tokens(6, 4))  # 12 cached tokens, 6 new ones
@@ -272,7 +300,7 @@ def test_prebuild_runs_each_weight_shape_once_per_bucket(tmp_path):
         assert rows == sorted({row_bucket(m) for m in onednn}), shape
     assert calls == [sum(len(r) for r in seen.values())]
     built = {shape: set(rows) for shape, rows in seen.items()}
-    seqs = Sequences(64, 4, seed=3)
+    seqs = Sequences(64, 4, seed=3, groups=runtime.kv_groups.count)
     ids = [seqs.add(_tokens(n, n)) for n in (9, 13, 5)]
     seen = onednn_rows(lambda: runner.execute(seqs.step([(s, len(seqs.tokens[s]) - 2) for s in ids])))  # 21 rows
     seen |= onednn_rows(lambda: runner.execute(seqs.step([(s, 1) for s in ids]), fused=False))  # logits for 3
@@ -294,7 +322,7 @@ def test_fused_decode_step_equals_the_per_layer_path(tmp_path, dtype):
     runtime, _, _ = load_runtime(str(save_hf(build_hf("qwen2-bias"), tmp_path)), dtype=dtype, backend="cpu-native")
 
     def decode(fused):
-        runner, seqs = ModelRunner(runtime, 64, 4), Sequences(64, 4, seed=11)
+        runner, seqs = ModelRunner(runtime, 64, 4), Sequences(64, 4, seed=11, groups=runtime.kv_groups.count)
         assert runner.fused_decode is not None and runner.fused_decode.max_rows >= 2
         ids = [seqs.add(_tokens(n, n)) for n in (9, 14, 5)]
         runner.execute(seqs.step([(s, len(seqs.tokens[s]) - 4) for s in ids]), fused)  # prefill: never fused
