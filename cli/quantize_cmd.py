@@ -31,8 +31,9 @@ def run(source: Source, output: Output,
                                      "or minmax.")] = D.observer,
         alpha: Annotated[float, Opt("--alpha", help="SmoothQuant migration strength.")] = D.alpha,
         device: Device = D.device, dtype: DTypeOpt = DType(D.dtype), eval_windows: EvalWindows = D.eval_windows,
-        embeddings: Annotated[str, Opt("--embeddings", help="keep | int8: the input embedding (and a tied "
-                                       "lm_head) as RTN int8 groups. llmopt reads it; transformers only with "
+        embeddings: Annotated[str, Opt("--embeddings", help="auto | keep | int8: the input embedding (and a "
+                                       "tied lm_head) as RTN int8 groups; auto: int8 where it is over a third of "
+                                       "the parameters. llmopt reads it; transformers only with "
                                        "CompressedTensorsConfig(dequantize=True) and W8A16 Linears; vLLM not.")]
         = D.embeddings,
         force: Force = False, json: Json = False) -> None:

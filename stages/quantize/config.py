@@ -22,8 +22,10 @@ METHODS = {
     "bnb": ("NF4", "INT8"),
 }
 NEEDS_CALIBRATION = ("gptq", "awq", "smoothquant")
-EMBEDDINGS = ("keep", "int8")  # the input embedding: left as is, or RTN int8 group-wise (and a tied lm_head with it)
-AUTO = "auto"  # how the command line and recipes spell group_size None
+AUTO = "auto"  # how the command line and recipes spell group_size None, and the embeddings' own choice
+# The input embedding: left as is, RTN int8 group-wise (and a tied lm_head with it), or auto: int8 where the
+# embedding is a large share of the model (embeddings.choose_embeddings decides, once the model is loaded).
+EMBEDDINGS = ("keep", "int8", AUTO)
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class QuantizeConfig(FromOptions):
     dtype: str = "auto"  # the weights' dtype while quantizing (auto keeps the source's)
     batch_size: int = 8
     eval_windows: int = 4
-    embeddings: str = "keep"
+    embeddings: str = AUTO  # the run's manifest records what auto chose (keep or int8)
 
     @classmethod
     def from_values(cls, o: dict) -> "QuantizeConfig":
@@ -86,7 +88,7 @@ class QuantizeConfig(FromOptions):
     def _validate_embeddings(self) -> None:
         if self.embeddings not in EMBEDDINGS:
             raise ConfigError(f"unknown --embeddings {self.embeddings}; choose one of {', '.join(EMBEDDINGS)}")
-        if self.embeddings != "keep" and self.method == "bnb":
+        if self.embeddings == "int8" and self.method == "bnb":
             raise ConfigError(f"--embeddings {self.embeddings} does not go with --method bnb; use --embeddings keep "
                               f"(int8 embeddings need --method {', '.join(m for m in METHODS if m != 'bnb')})")
 

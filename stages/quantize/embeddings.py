@@ -1,4 +1,5 @@
-"""`--embeddings int8`: the input embedding matrix as RTN int8, symmetric, group-wise along the hidden size.
+"""`--embeddings int8`: the input embedding matrix as RTN int8, symmetric, group-wise along the hidden size;
+`--embeddings auto` (the default) chooses int8 where the embedding is a large share of the model.
 
 Not layer by layer: the embedding sits outside the decoder layers, so it is quantized once after them.
 In a tied model the lm_head is the same matrix, so it is written once, quantized, and readers tie the
@@ -12,9 +13,41 @@ import torch
 
 from ..compressed import LinearScheme, compress_linear
 from ..errors import ConfigError
+from ..model_io import count_parameters
+from .config import AUTO
 from .rtn import QuantArgs, compute_qparams, dequantize, quantize, resolve_group_size
 
 EMBED = "model.embed_tokens"
+# --embeddings auto takes int8 where the input embedding holds more than this share of the parameters (a
+# large vocabulary: Gemma 3 270M's 262144 x 640 is 63%; SmolLM2-135M's 49152 x 576 is 21% and stays as is).
+AUTO_INT8_SHARE = 1 / 3
+
+
+@dataclass(frozen=True)
+class EmbeddingsChoice:
+    """What --embeddings came to for one model, and why (the manifest's metrics.quantization.embeddings_choice)."""
+
+    requested: str  # keep | int8 | auto
+    chosen: str  # keep | int8
+    share: float | None  # the embedding's share of the parameters (None: the model has no EMBED)
+
+    def record(self) -> dict:
+        return {"requested": self.requested, "chosen": self.chosen, "threshold": round(AUTO_INT8_SHARE, 6),
+                "embedding_share": None if self.share is None else round(self.share, 6)}
+
+
+def choose_embeddings(model, requested: str, method: str) -> EmbeddingsChoice:
+    """Resolve `requested` for `model`: an explicit keep or int8 as given; auto: int8 where the embedding is
+    more than AUTO_INT8_SHARE of the parameters (a tied lm_head counted once), keep otherwise, and keep for
+    bnb (which cannot write int8 embeddings) or a model without EMBED."""
+    try:
+        share = model.get_submodule(EMBED).weight.numel() / count_parameters(model)
+    except AttributeError:
+        share = None
+    if requested != AUTO:
+        return EmbeddingsChoice(requested, requested, share)
+    large = share is not None and share > AUTO_INT8_SHARE and method != "bnb"
+    return EmbeddingsChoice(requested, "int8" if large else "keep", share)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ..artifact import Artifact, ArtifactWriter, check_destination, safetensors_bytes
@@ -11,7 +12,7 @@ from ..profile.machine import HOST, peak_memory, reset_peak_memory
 from ..safetensors_io import ShardWriter
 from ..source import load, source_record
 from .config import QuantizeConfig
-from .embeddings import quantize_embedding
+from .embeddings import choose_embeddings, quantize_embedding
 from .stage import (QuantizeHooks, check_not_quantized, per_layer_table, plan_targets, quantization_config_of,
                     quantize_model, rest_of_state)
 
@@ -26,6 +27,11 @@ def run_quantize(source_ref: str, dest: Path, config: QuantizeConfig, force: boo
     hooks.status(f"loading {source_ref}")
     loaded = load(source_ref, dtype=parse_dtype(config.dtype))
     check_not_quantized(loaded.model)
+    choice = choose_embeddings(loaded.model, config.embeddings, config.method)
+    config = replace(config, embeddings=choice.chosen)  # the manifest's config says what auto chose
+    if choice.requested == "auto" and choice.chosen == "int8":
+        hooks.status(f"embeddings: int8 (the embedding is {choice.share:.0%} of the parameters; "
+                     f"--embeddings keep leaves it as is)")
     if config.method == "bnb":
         from .bnb import run_bnb
 
@@ -48,7 +54,8 @@ def run_quantize(source_ref: str, dest: Path, config: QuantizeConfig, force: boo
         art = w.commit("quantize", config.to_dict(), loaded.artifact, source_record(loaded.source, loaded.artifact),
                        model=info, metrics={"size_bytes": safetensors_bytes(w.tmp), "quantize_seconds": round(seconds, 1),
                                             "peak_rss_bytes": peak_memory(HOST),
-                                            "quantization": per_layer_table(method, reports, embedding)})
+                                            "quantization": {**per_layer_table(method, reports, embedding),
+                                                             "embeddings_choice": choice.record()}})
     store_before_after(art, config.eval_windows, hooks, base, "quantized")
     return art
 

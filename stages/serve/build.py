@@ -27,13 +27,16 @@ class KVCachePlan:
     """How big the KV cache is and which option decided it (`kv_cache_plan`)."""
     num_blocks: int
     block_size: int
-    block_bytes: int  # one block over all layers, keys and values
+    block_bytes: int  # one block over the layers of a KV layer group (all layers: one group), keys and values
     dtype: object  # torch.dtype of the cache
     source: str  # what decided the size, as the start-up line says it
+    groups: int = 1  # KV layer groups sharing the blocks (stages/families.py KVGroups)
 
     @property
     def tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens of KV over every layer: a block per group each (windowed groups give theirs back while a
+        sequence generates, so more fit then)."""
+        return self.num_blocks // self.groups * self.block_size
 
     @property
     def bytes(self) -> int:
@@ -149,7 +152,7 @@ def kv_cache_plan(config: EngineConfig, spec, runtime, announce: bool = True) ->
             f"the default {memory}; size it with --max-model-len or --kv-cache-memory"
     if config.num_blocks is None and blocks > longest:  # memory for nothing
         blocks, source = longest, f"{source}, capped at {length:,} x {seqs} seqs"
-    plan = KVCachePlan(blocks, bs, kv_bytes_per_block(spec, bs, dtype), dtype, source)
+    plan = KVCachePlan(blocks, bs, kv_bytes_per_block(spec, bs, dtype), dtype, source, spec.shape.kv.count)
     if announce:
         log.info(plan.describe())
     return plan

@@ -38,7 +38,8 @@ def _qconfig(art) -> dict:
 def pair(tiny_hf, tmp_path_factory):
     """(keep, int8) W4A16 RTN artifacts of the tied tiny model."""
     root = tmp_path_factory.mktemp("emb")
-    return _quantize(tiny_hf[0], root / "keep"), _quantize(tiny_hf[0], root / "int8", embeddings="int8")
+    return (_quantize(tiny_hf[0], root / "keep", embeddings="keep"),
+            _quantize(tiny_hf[0], root / "int8", embeddings="int8"))
 
 
 def test_int8_embedding_artifact_is_smaller_and_described(pair):
@@ -142,10 +143,74 @@ def test_inspect_counts_the_packed_embedding(pair, tiny_hf):
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(embeddings="int4"), "unknown --embeddings int4; choose one of keep, int8"),
+    (dict(embeddings="int4"), "unknown --embeddings int4; choose one of keep, int8, auto"),
     (dict(method="bnb", scheme="NF4", embeddings="int8"), "does not go with --method bnb; use --embeddings keep"),
 ])
 def test_bad_embeddings_write_nothing(tiny_hf, tmp_path, kw, message):
     with pytest.raises(ConfigError, match=message):
         _quantize(tiny_hf[0], tmp_path / "q", **kw)
     assert not (tmp_path / "q").exists()
+
+
+# --embeddings auto (the default): int8 where the embedding is more than a third of the parameters.
+
+def _llama_dir(path, vocab: int, hidden: int):
+    """A tied tiny Llama with `vocab` rows (the tokenizer knows only its first few hundred)."""
+    from tests.helpers import make_model, make_tokenizer
+
+    model = make_model(vocab, hidden=hidden)
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def vocabularies(tmp_path_factory):
+    """{"big": 8192 x 32 (93% of the parameters), "small": 256 x 64 (18%)}: model directories."""
+    root = tmp_path_factory.mktemp("vocab")
+    for name, vocab, hidden in (("big", 8192, 32), ("small", 256, 64)):
+        _llama_dir(root / name, vocab, hidden)
+    return {name: root / name for name in ("big", "small")}
+
+
+@pytest.mark.parametrize("vocab, requested, chosen", [
+    (8192, "auto", "int8"), (256, "auto", "keep"),  # hidden 64: 88% and 18% of the parameters
+    (8192, "keep", "keep"), (256, "int8", "int8"),  # an explicit value wins either way
+])
+def test_choose_embeddings(vocab, requested, chosen):
+    from llmopt.stages.quantize.embeddings import choose_embeddings
+    from tests.helpers import make_model
+
+    choice = choose_embeddings(make_model(vocab, hidden=64), requested, "rtn")
+    assert (choice.requested, choice.chosen) == (requested, chosen)
+    assert (choice.share > 1 / 3) == (vocab == 8192)
+
+
+def test_auto_keeps_the_embedding_for_bnb_and_without_one():
+    from llmopt.stages.quantize.embeddings import choose_embeddings
+    from tests.helpers import make_model
+
+    assert choose_embeddings(make_model(8192), "auto", "bnb").chosen == "keep"
+    no_embedding = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    choice = choose_embeddings(no_embedding, "auto", "rtn")
+    assert choice.chosen == "keep" and choice.share is None
+
+
+def test_the_default_is_auto_and_bnb_accepts_it():
+    assert QuantizeConfig().embeddings == "auto"
+    QuantizeConfig(method="bnb", scheme="NF4").validate()
+
+
+@pytest.mark.parametrize("name, kw, chosen", [
+    ("big", {}, "int8"), ("small", {}, "keep"),
+    ("big", dict(embeddings="keep"), "keep"), ("small", dict(embeddings="int8"), "int8"),
+])
+def test_manifest_records_what_was_chosen(vocabularies, tmp_path, name, kw, chosen):
+    art = _quantize(vocabularies[name], tmp_path / "q", **kw)
+    quantization = art.manifest["metrics"]["quantization"]
+    assert art.manifest["config"]["embeddings"] == chosen
+    assert quantization["embeddings_choice"]["requested"] == kw.get("embeddings", "auto")
+    assert quantization["embeddings_choice"]["chosen"] == chosen
+    assert ("embeddings" in quantization) == (chosen == "int8")
+    state = load_dir(art.path, art.weight_files)
+    assert (f"{EMBED}.weight_packed" in state) == (chosen == "int8")

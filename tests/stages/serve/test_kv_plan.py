@@ -10,7 +10,9 @@ from llmopt.stages.serve.build import kv_cache_plan
 from llmopt.stages.serve.engine.config import EngineConfig
 
 # SmolLM2-135M's cache shape: 30 layers x 3 KV heads x 64 dims, keys and values: 11,520 elements a token
-SPEC = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, max_positions=8192)
+# SmolLM2's cache shape: one KV layer group of all 30 layers (stages/families.py KVGroups)
+SPEC = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, max_positions=8192,
+                       shape=SimpleNamespace(kv=SimpleNamespace(size=30, count=1)))
 
 
 def runtime(dtype=torch.bfloat16):
@@ -23,6 +25,16 @@ def test_max_model_len_times_max_num_seqs_and_the_start_up_line(caplog):
     assert plan.num_blocks == 2048 and plan.tokens == 32768 and plan.bytes == 32768 * 11520 * 2
     line = "KV cache: 32,768 tokens (2,048 x 16 seqs, from --max-model-len x --max-num-seqs), 720 MiB bf16"
     assert plan.describe() == line and line in caplog.messages
+
+
+def test_layer_groups_size_blocks_by_their_layers_and_hold_every_groups_prompt():
+    """Gemma 3 270M's cache: 6 KV layer groups of 3 layers (1 KV head of 256): a block is 3 layers' worth, and
+    a sequence at its longest holds a block per group (its whole prompt in each at admission)."""
+    gemma = SimpleNamespace(num_layers=18, num_kv_heads=1, head_dim=256, max_positions=32768,
+                            shape=SimpleNamespace(kv=SimpleNamespace(size=3, count=6)))
+    plan = kv_cache_plan(EngineConfig(max_model_len=1024, max_num_seqs=4), gemma, runtime(), announce=False)
+    assert plan.block_bytes == 2 * 3 * 16 * 256 * 2 and plan.num_blocks == 4 * 6 * 64
+    assert plan.tokens == 4 * 1024 and plan.bytes == plan.num_blocks * plan.block_bytes
 
 
 def test_a_partial_block_rounds_up_and_max_batch_size_caps_the_seqs():
