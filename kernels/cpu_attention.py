@@ -16,7 +16,8 @@ without a cache round trip.
 
 With a sliding `window` (a query at p sees keys p - window < k <= p) every path gathers or reads only the
 rows inside some query's window: older blocks may have been freed and hold other data (NaN too), and a
-masked NaN value still poisons SDPA's output. The fused decode step has no window (`fused_plan`).
+masked NaN value still poisons SDPA's output. The fused decode step passes the window to the same native
+paged decode (`fused_plan`).
 """
 from __future__ import annotations
 
@@ -49,6 +50,19 @@ class NativeDecode:
     rows: slice | torch.Tensor  # their rows of the flat batch
     block_tables: torch.Tensor  # [Bd, max_blocks] int32, contiguous
     context_lens: torch.Tensor  # [Bd] int32
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    """A decode step's attention as the fused decode step takes it (one KV layer group's)."""
+
+    cos_sin: torch.Tensor  # [M, head_dim] RoPE rows
+    slots: torch.Tensor  # [M] int64 cache slots
+    block_tables: torch.Tensor  # [M, max_blocks] int32
+    context_lens: torch.Tensor  # [M] int32
+    scale: float
+    block_size: int
+    window: int | None
 
 
 @dataclass(frozen=True)
@@ -251,16 +265,13 @@ class NativeCpuAttention(CpuAttention):
         return cpu_native.paged_decode(q, flat, plan.block_tables, plan.context_lens, self.scale, self.block_size,
                                        window=self.window)
 
-    def fused_plan(self, rows: int, max_rows: int, cache_dtype: torch.dtype):
-        """(cos_sin, slots, block_tables, context_lens, scale, block_size) for the fused decode step
-        (`cpu_native.DecodeLayers.run`) when this step is one native decode token per sequence for at most
-        `max_rows` sequences, RoPE and cache native too, and no context longer than the window (csrc/layer.c
-        attends to every cached row); else None (the per-layer path runs)."""
+    def fused_plan(self, rows: int, max_rows: int, cache_dtype: torch.dtype) -> "FusedPlan | None":
+        """What the fused decode step (`cpu_native.DecodeLayers.run`) needs of this step's attention, when the
+        step is one native decode token per sequence for at most `max_rows` sequences, RoPE and cache native
+        too; else None (the per-layer path runs)."""
         plan = self.native
         if plan is None or self.prefills or not self.native_rope or rows > max_rows \
                 or plan.rows != slice(0, rows) or cache_dtype != self.cos_sin.dtype:
             return None
-        if self.window is not None and max(self.ctx) > self.window:
-            return None
-        return (self.cos_sin, self.meta.slot_mapping, plan.block_tables, plan.context_lens, self.scale,
-                self.block_size)
+        return FusedPlan(self.cos_sin, self.meta.slot_mapping, plan.block_tables, plan.context_lens, self.scale,
+                         self.block_size, self.window)

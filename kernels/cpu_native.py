@@ -27,6 +27,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -143,7 +144,7 @@ def _library() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = args
     lib.llmopt_decode_layers.restype = i32
     lib.llmopt_decode_layers.argtypes = [ptr, i64, ptr, ptr, i64, i32, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
-                                         ptr, ptr, i64, ptr, i64, ptr, i64, ctypes.c_float]
+                                         i32, ptr, i64, ptr, i64, ctypes.c_float]
     return lib
 
 
@@ -440,7 +441,51 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)]
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
+                ("group", ctypes.c_int64), ("cache_slot", ctypes.c_int64)]
+
+
+class _Group(ctypes.Structure):
+    _fields_ = [("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("bt_stride", ctypes.c_int64),
+                ("cos_sin", ctypes.c_void_p), ("window", ctypes.c_int64)]
+
+
+@dataclass(frozen=True)
+class DecodeLayer:
+    """One decoder layer for `llmopt_decode_layers`: its four linears, its norms (None where the family has
+    none), its KV layer group and its slot in the cache's first dimension."""
+
+    qkv: _Linear
+    o: _Linear
+    gate_up: _Linear
+    down: _Linear
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    group: int = 0
+    cache_slot: int = 0
+
+    def struct(self) -> _Layer:
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        return _Layer(self.qkv, self.o, self.gate_up, self.down, ptr(self.input_norm), ptr(self.post_norm),
+                      ptr(self.q_norm), ptr(self.k_norm), ptr(self.attn_out_norm), ptr(self.mlp_out_norm),
+                      self.group, self.cache_slot)
+
+
+@dataclass(frozen=True)
+class GroupStep:
+    """A KV layer group's part of a decode step: its cache slots [M] int64, block tables [M, max_blocks] int32,
+    RoPE rows [M, head_dim] and window (None: all keys)."""
+
+    slots: torch.Tensor
+    block_tables: torch.Tensor
+    cos_sin: torch.Tensor
+    window: int | None
 
 
 def linear_desc(weight: "DenseWeight | Int4Weight | Int8Weight", bias: torch.Tensor | None) -> _Linear:
@@ -459,38 +504,44 @@ class DecodeLayers:
     """A runtime's decoder layers described for `llmopt_decode_layers`, which runs them all for a decode
     step's tokens in one call. `keep` holds every tensor the descriptions point into."""
 
-    def __init__(self, layers: list[tuple[_Linear, _Linear, _Linear, _Linear, torch.Tensor, torch.Tensor]],
-                 dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
-                 keep: list, max_rows: int):
-        """`max_rows`: the most sequences a step may have (the smallest row limit of the layers' GEMVs)."""
-        self.array = (_Layer * len(layers))(*[_Layer(q, o, gu, d, n1.data_ptr(), n2.data_ptr())
-                                              for q, o, gu, d, n1, n2 in layers])
+    def __init__(self, layers: list[DecodeLayer], dtype: torch.dtype, hidden: int, heads: int, kv_heads: int,
+                 head_dim: int, inter: int, eps: float, keep: list, max_rows: int, gelu: bool = False):
+        """`max_rows`: the most sequences a step may have (the smallest row limit of the layers' GEMVs); gelu:
+        GeGLU (Gemma), else SwiGLU."""
+        self.array = (_Layer * len(layers))(*[layer.struct() for layer in layers])
+        self.groups = 1 + max(layer.group for layer in layers)
         self.keep = keep
         self.dtype, self.hidden, self.heads, self.kv_heads = dtype, hidden, heads, kv_heads
-        self.head_dim, self.inter, self.eps, self.max_rows = head_dim, inter, eps, max_rows
+        self.head_dim, self.inter, self.eps, self.max_rows, self.gelu = head_dim, inter, eps, max_rows, gelu
 
     @_traced
-    def run(self, residual: torch.Tensor, cos_sin: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor,
-            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
+    def run(self, residual: torch.Tensor, groups: list[GroupStep], kv_cache: torch.Tensor,
+            context_lens: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
         """residual [M, H] contiguous: the embeddings in, the residual stream after the last layer out (in
-        place); returns the last layer's MLP output [M, H]. kv_cache [layers, slots..., 2 * Hk * D] contiguous;
-        slots [M] int64; block_tables [M, max_blocks] / context_lens [M] int32 as for paged_decode."""
+        place); returns the last layer's MLP output [M, H]. groups: each KV layer group's part of the step;
+        kv_cache [slots, ..., 2 * Hk * D] contiguous (a layer's rows at its cache_slot); context_lens [M] int32."""
         lib = _library()
         m = residual.shape[0]
         if not residual.is_contiguous() or residual.dtype != self.dtype or kv_cache.dtype != self.dtype \
-                or not kv_cache.is_contiguous() or kv_cache.shape[0] != len(self.array) \
-                or slots.dtype != torch.int64 or not slots.is_contiguous() or cos_sin.shape != (m, self.head_dim) \
-                or not cos_sin.is_contiguous() or block_tables.stride(1) != 1 or not context_lens.is_contiguous():
+                or not kv_cache.is_contiguous() or len(groups) != self.groups or not context_lens.is_contiguous() \
+                or any(not _fits_group(g, m, self.head_dim) for g in groups):
             raise ValueError("decode_layers: tensors do not fit the runtime (dtype, layout or shape)")
+        described = (_Group * len(groups))(*[_Group(g.slots.data_ptr(), g.block_tables.data_ptr(),
+                                                    g.block_tables.stride(0), g.cos_sin.data_ptr(), g.window or 0)
+                                             for g in groups])
         out = torch.empty_like(residual)
         rc = lib.llmopt_decode_layers(
             self.array, len(self.array), residual.data_ptr(), out.data_ptr(), m, _ELEM[self.dtype], self.hidden,
-            self.heads, self.kv_heads, self.head_dim, self.inter, self.eps, cos_sin.data_ptr(), slots.data_ptr(),
-            kv_cache.data_ptr(), kv_cache[0].numel(), block_tables.data_ptr(), block_tables.stride(0),
-            context_lens.data_ptr(), block_size, scale)
+            self.heads, self.kv_heads, self.head_dim, self.inter, self.eps, described, int(self.gelu),
+            kv_cache.data_ptr(), kv_cache[0].numel(), context_lens.data_ptr(), block_size, scale)
         if rc:
             raise RuntimeError(f"decode_layers failed (code {rc})")
         return out
+
+
+def _fits_group(g: GroupStep, m: int, head_dim: int) -> bool:
+    return g.slots.dtype == torch.int64 and g.slots.is_contiguous() and g.cos_sin.shape == (m, head_dim) \
+        and g.cos_sin.is_contiguous() and g.block_tables.stride(1) == 1
 
 
 def native_function(name: str, argtypes: list, restype=ctypes.c_int):

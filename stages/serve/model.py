@@ -108,7 +108,7 @@ NORM_BUFFERS = {"input": "input_norm", "mlp": "post_norm", "attn_out": "attn_out
 class DecoderLayer(nn.Module):
     """Pre-norm attention block and gated MLP with fused projections; the family's variant decides which of
     the optional norms exist (q/k norms, Gemma's sandwich norms on each block's output) and the gate's
-    activation. A Llama layer (input and post norms only, SiLU) is what the fused decode step takes."""
+    activation; the backend's fused decode step computes every variant (kernels/csrc/layer.c)."""
 
     def __init__(self, spec: ModelSpec, backend: Backend, dtype=None):
         super().__init__()
@@ -125,12 +125,6 @@ class DecoderLayer(nn.Module):
         self.eps, self.q_size, self.kv_size = spec.rms_norm_eps, spec.q_size, spec.kv_size
         self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.activation = spec.shape.activation
-
-    @property
-    def llama_shaped(self) -> bool:
-        """Only the input and post norms and a SiLU gate: the layer the fused decode step computes."""
-        extra = (self.attn_out_norm, self.mlp_out_norm, self.q_norm, self.k_norm)
-        return self.activation == "silu" and all(n is None for n in extra)
 
     def forward(self, x, residual, attn, kv_cache):
         """x, residual [T, H] -> (mlp output, residual stream); residual None in the first layer."""
@@ -179,6 +173,8 @@ class Runtime(nn.Module):
         self.register_buffer("embed_tokens", torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype))
         self.register_buffer("embed_scale", None)
         self.layers = nn.ModuleList(DecoderLayer(spec, backend, dtype) for _ in range(spec.num_layers))
+        for layer, group, slot in zip(self.layers, spec.shape.kv.groups, spec.shape.kv.slots):
+            layer.kv_group, layer.kv_slot = group, slot  # what the fused decode step reads of the cache layout
         self.register_buffer("norm", torch.empty(spec.hidden_size, dtype=dtype))
         self.lm_head: nn.Module | None = None  # [R, H] -> [R, vocab]: the backend's module, set by the loader
         # One cos||sin table [max_positions, head_dim] fp32 per RoPE of the model's attention kinds (Gemma 3: a
@@ -195,13 +191,6 @@ class Runtime(nn.Module):
     @property
     def cos_sin_cache(self) -> torch.Tensor:
         return self.rope_caches[0]
-
-    @property
-    def fusable(self) -> bool:
-        """Whether a backend's fused decode step can take this model's layers: Llama-shaped layers in one KV
-        layer group without a window (one RoPE table)."""
-        return self.kv_groups.count == 1 and self.kv_groups.windows == (None,) and \
-            all(layer.llama_shaped for layer in self.layers)
 
     def attentions(self, backend: Backend, metas: list, scale: float, block_size: int) -> list:
         """One attention object per KV layer group, from its step metadata `metas[g]` (layer i uses
@@ -241,10 +230,10 @@ class Runtime(nn.Module):
     def forward(self, token_ids, attns, kv_caches, fused=None):
         """token_ids [T] -> (hidden, residual) [T, H] before the final norm. attns: the step's attention
         objects, one per KV layer group (`attentions`). kv_caches: each layer's cache [num_blocks,
-        block_size, 2, Hk, D]. fused: `fused(x, attn)`, the backend's whole-model decode step
+        block_size, 2, Hk, D]. fused: `fused(x, attns)`, the backend's whole-model decode step
         (`Backend.fused_decode`) bound to the cache, which replaces the layers for the steps it takes."""
         x = self.embed(token_ids)  # [T, H]
-        out = fused(x, attns[0]) if fused is not None else None
+        out = fused(x, attns) if fused is not None else None
         if out is not None:
             return out
         residual = None

@@ -187,8 +187,7 @@ class ModelRunner:
         self.kv_caches = [self.kv_cache[j] for j in self.kv_groups.slots]  # per layer
         self.k_caches, self.v_caches = [c[:, :, 0] for c in self.kv_caches], [c[:, :, 1] for c in self.kv_caches]
         self.scale = spec.shape.attention_scale
-        # None where the backend has none, or the model's layers are not the ones it computes
-        self.fused_decode = self.backend.fused_decode(runtime.layers) if runtime.fusable else None
+        self.fused_decode = self.backend.fused_decode(runtime.layers)  # None where the backend has none
         self.graphs: DecodeGraphs | None = None  # the captured decode steps, once `capture_decode_graphs` ran
 
     def make_kv_cache_resident(self) -> bool:
@@ -284,7 +283,7 @@ class ModelRunner:
         attns = self.runtime.attentions(self.backend, self.group_metadata(step), self.scale, self.block_size)
         decode = self.fused_decode if fused else None
         x, residual = self.runtime(step.token_ids, attns, self.kv_caches,
-                                   None if decode is None else lambda h, attn: decode(h, attn, self.kv_cache))
+                                   None if decode is None else lambda h, attns: decode(h, attns, self.kv_cache))
         return self.runtime.compute_logits(x, residual, step.logits_indices)
 
     def group_metadata(self, step: StepInput) -> list[StepMetadata]:

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from ..batch import StepInput
 
 STOP, STEP, NOOP, INIT = 0, 1, 2, 3
-HEADER = 8  # [command, T, B, max_blocks, R, max_query_len, arg0, arg1]
+HEADER = 8  # [command, T, B, max_blocks, R, max_query_len, arg0, arg1]; a STEP's args: layer groups 1.., their width
 
 
 def _broadcast(t: torch.Tensor, device) -> torch.Tensor:
@@ -23,9 +23,12 @@ def send_command(command: int, device, arg0: int = 0, arg1: int = 0) -> None:
 def send_step(step: StepInput, device) -> None:
     t, b = step.token_ids.shape[0], step.context_lens.shape[0]
     m, r = step.block_tables.shape[1], step.logits_indices.shape[0]
-    _broadcast(torch.tensor([STEP, t, b, m, r, step.max_query_len, 0, 0], dtype=torch.int64), device)
+    extra = step.extra_block_tables  # KV layer groups 1.. (several: Gemma 3), padded to one width
+    width = max((e.shape[1] for e in extra), default=0)
+    _broadcast(torch.tensor([STEP, t, b, m, r, step.max_query_len, len(extra), width], dtype=torch.int64), device)
     parts = [step.token_ids, step.positions, step.cu_seqlens_q, step.context_lens, step.block_tables.flatten(),
-             step.slot_mapping, step.logits_indices]
+             step.slot_mapping, step.logits_indices,
+             *(torch.nn.functional.pad(e, (0, width - e.shape[1])).flatten() for e in extra), *step.extra_slot_mappings]
     _broadcast(torch.cat([p.cpu().long() for p in parts]), device)
 
 
@@ -37,7 +40,10 @@ def receive(device) -> tuple[int, StepInput | tuple[int, int] | None]:
         return command, (arg0, arg1)
     if command != STEP:
         return command, None
-    sizes = [t, t, b + 1, b, b * m, t, r]
+    groups, width = arg0, arg1
+    sizes = [t, t, b + 1, b, b * m, t, r] + [b * width] * groups + [t] * groups
     payload = _broadcast(torch.empty(sum(sizes), dtype=torch.int64), device)
-    tok, pos, cu, ctx, tables, slots, idx = payload.split(sizes)
-    return command, StepInput(tok, pos, cu.int(), ctx.int(), tables.int().view(b, m), slots, max_q, idx)
+    tok, pos, cu, ctx, tables, slots, idx, *extra = payload.split(sizes)
+    extra_tables = tuple(e.int().view(b, width) for e in extra[:groups])
+    return command, StepInput(tok, pos, cu.int(), ctx.int(), tables.int().view(b, m), slots, max_q, idx,
+                              extra_tables, tuple(extra[groups:]))

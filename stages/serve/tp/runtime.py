@@ -8,7 +8,6 @@ import torch
 from llmopt.kernels.parallel import RowParallelLinear
 
 from ...artifact import Artifact
-from ...errors import ConfigError
 from ...safetensors_io import load_dir
 from ...shard.plan import local_config
 from ..loader import build_runtime, read_config
@@ -28,9 +27,6 @@ def load_rank_runtime(art: Artifact, rank: int, group, device, dtype=None, backe
     rank_plan = plan["ranks"][rank]
     config = local_config(read_config(art.path), rank_plan, plan)
     runtime = build_runtime(config, load_dir(art.path, art.rank_files(rank)), torch.device(device), dtype, backend)
-    if runtime.kv_groups.count > 1:  # a step's broadcast (comm.py) carries one block table per sequence
-        raise ConfigError(f"{art.path}: tensor-parallel serving of a model with several KV layer groups "
-                          f"({runtime.spec.architecture}: local and global attention layers) is not supported yet")
     for layer in runtime.layers:
         layer.o_proj = _row_parallel(layer.o_proj, group)
         layer.down = _row_parallel(layer.down, group)

@@ -315,11 +315,13 @@ def test_prebuild_can_be_switched_off(tmp_path):
 
 @needs_gemv
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_fused_decode_step_equals_the_per_layer_path(tmp_path, dtype):
+@pytest.mark.parametrize("kind", ["qwen2-bias", "qwen3", "gemma3-window", "mistral-window"])
+def test_fused_decode_step_equals_the_per_layer_path(tmp_path, dtype, kind):
     # a decode-only step of few sequences runs every layer in one native call (csrc/layer.c): same kernels, same
     # order, so the logits must be bit-identical to the per-layer path of the Python layer (and that path must
-    # really be skipped)
-    runtime, _, _ = load_runtime(str(save_hf(build_hf("qwen2-bias"), tmp_path)), dtype=dtype, backend="cpu-native")
+    # really be skipped); every family's variant (q/k norms, Gemma's sandwich norms and GeGLU, two KV layer
+    # groups with their own RoPE, windows shorter than the contexts)
+    runtime, _, _ = load_runtime(str(save_hf(build_hf(kind), tmp_path)), dtype=dtype, backend="cpu-native")
 
     def decode(fused):
         runner, seqs = ModelRunner(runtime, 64, 4), Sequences(64, 4, seed=11, groups=runtime.kv_groups.count)

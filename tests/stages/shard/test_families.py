@@ -109,9 +109,7 @@ def _generate(ref) -> list:
             ranks.close()
 
 
-# Gemma 3 is left out: the serve runtime refuses tensor-parallel serving of its two KV layer groups (local and
-# global layers) for now; the test above checks its ranks.
-@pytest.mark.parametrize("name", ["mistral", "qwen2", "qwen3", "phi3", "phi3-w4a16"])
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "qwen3", "phi3", "phi3-w4a16", "gemma3"])
 def test_tp2_engine_matches_one_process(sources, tmp_path, name):
     """The serve engine's ranks (gloo, CPU) on the shards: the same greedy tokens and logprobs as one process."""
     from llmopt.stages.quantize.config import QuantizeConfig
