@@ -47,8 +47,10 @@ def weight_bytes(runtime: Runtime) -> dict:
 
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
-    """Cache bytes one token takes over all layers (keys and values)."""
-    return kv_bytes_per_block(spec, 1, dtype)
+    """Cache bytes one token takes over all layers (keys and values): a block's bytes per KV layer group times
+    the groups (a windowed group's tokens beyond its window are given back while a sequence generates, but a
+    prompt that long holds them all at admission)."""
+    return kv_bytes_per_block(spec, 1, dtype) * spec.shape.kv.count
 
 
 def layer_linear_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:

@@ -51,9 +51,9 @@ def plan_sweep(config: ProfileConfig, spec: ModelSpec, dtype: torch.dtype, free_
     batches = sorted(set(config.batch_sizes))
     limit = int(KV_MEMORY_SHARE * free_bytes) // kv_bytes_per_block(spec, bs, dtype)
 
-    def needed(batch_sizes) -> int:
-        return max(blocks_for(prompts[-1], bs), blocks_for(max(contexts, default=1), bs),
-                   batch_sizes[-1] * blocks_for(decode_context, bs))
+    def needed(batch_sizes) -> int:  # a step's tables in every KV layer group (steps.py)
+        return spec.shape.kv.count * max(blocks_for(prompts[-1], bs), blocks_for(max(contexts, default=1), bs),
+                                         batch_sizes[-1] * blocks_for(decode_context, bs))
 
     while len(batches) > 1 and needed(batches) > limit:
         skipped.append(f"batch {batches.pop()}: its KV cache at context {decode_context} exceeds "

@@ -1,6 +1,7 @@
 """Profile's cost model on every family of stages/families.py, against transformers' own models: the bytes a
 step reads per layer (Gemma 3's four norms and q/k norms, Phi-3's fused projections, Qwen2's biases), the
 parameters, the matmul FLOPs, the matmul shapes of a step and the synthetic model's tensors."""
+import json
 import warnings
 
 import pytest
@@ -88,3 +89,18 @@ def test_synthetic_tensors_are_the_familys_checkpoint(name):
     for n, t in tensors.items():
         if _is_norm(n):  # a unit scale as the family stores it: Gemma's (1 + w) with w = 0
             assert torch.all(t == 1 - offset), n
+
+
+def test_the_sweep_runs_a_model_of_several_kv_layer_groups(sources):
+    """`llmopt profile` on the tiny Gemma 3 (a local and a global layer: two KV layer groups): its synthetic steps
+    bring every group's block tables, and a token's KV bytes count both groups."""
+    from llmopt.stages.profile.costs import kv_bytes_per_token
+    from llmopt.stages.profile.run import run_profile
+    from tests.stages.profile.conftest import TINY
+
+    path = sources["gemma3"][0]
+    spec = spec_from_config(json.loads((path / "config.json").read_text()))
+    assert spec.shape.kv.count == 2
+    assert kv_bytes_per_token(spec, torch.float32) == 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
+    report = run_profile([str(path)], TINY)
+    assert report["sources"][0]["decode"] and report["sources"][0]["prefill"]
