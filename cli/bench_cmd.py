@@ -34,11 +34,12 @@ def run(ctx: typer.Context,
         endpoint: Annotated[str, Opt("--endpoint", help="completions | chat")] = D.endpoint,
         api_key: Annotated[Optional[str], Opt("--api-key", envvar="LLMOPT_API_KEY", help="Bearer token (as llmopt serve --api-key).")] = None,
         dataset: Annotated[str, Opt("--dataset", "--dataset-name", help="random | sharegpt | sharegpt:FILE | "
-                                    "jsonl:FILE (vLLM's custom)")] = D.dataset,
+                                    "grounded | jsonl:FILE (vLLM's custom) | shared-prefix[:GROUPS,PREFIX_LEN] "
+                                    "(SGLang's generated shared prefix; questions of --input-len tokens)")] = D.dataset,
         dataset_path: Annotated[Optional[str], Opt("--dataset-path", help="vLLM's spelling: the file of "
                                                    "--dataset-name (sharegpt, grounded, custom).")] = None,
         num_prompts: Annotated[int, Opt("--num-prompts", min=1)] = D.num_prompts,
-        input_len: Annotated[int, Opt("--input-len", "--random-input-len", min=1, help="random: prompt tokens.")] = D.input_len,
+        input_len: Annotated[int, Opt("--input-len", "--random-input-len", min=1, help="random: prompt tokens; shared-prefix: question tokens.")] = D.input_len,
         output_len: Annotated[Optional[int], Opt("--output-len", "--random-output-len", min=1, help="max_tokens (default: the reply's length, else 128).")] = D.output_len,
         tokenizer: Annotated[Optional[str], Opt("--tokenizer", help="Model source whose tokenizer counts prompt tokens.")] = D.tokenizer,
         disable_shuffle: Annotated[bool, Opt("--disable-shuffle", help="The first --num-prompts records in file order, unshuffled.")] = D.disable_shuffle,

@@ -1,7 +1,14 @@
-"""Prompts to send: ShareGPT files, JSON lines, random prompts of a given length, or input-grounded prompts.
+"""Prompts to send: ShareGPT files, JSON lines, random prompts of a given length, input-grounded prompts, or
+groups of prompts sharing a prefix.
 
 `grounded` (or grounded:FILE, a ShareGPT file) asks the model to repeat or lightly edit a passage it is given,
 the passage being a ShareGPT prompt: output that copies its input, where n-gram speculation pays off.
+
+`shared-prefix` (or shared-prefix:G,P) is SGLang's "generated shared prefix" workload: G groups (default 8),
+each a random P-token system prompt (default 512) followed by distinct random questions of `input_len` tokens;
+`num_prompts` questions in all, spread over the groups, shuffled by `seed` (group by group with
+`--disable-shuffle`). Where requests land decides how much of the prefix a server finds in its cache: what
+cache-aware routing is measured on.
 
 Prompt lengths in tokens are known when a tokenizer is given (`--tokenizer SOURCE`) or for random
 prompts; otherwise the server's reported usage fills them in. ShareGPT records without a reply
@@ -33,28 +40,46 @@ class BenchRequest:
 
 @dataclass(frozen=True)
 class DatasetConfig:
-    """spec: random | sharegpt | sharegpt:FILE | grounded | grounded:FILE | jsonl:FILE."""
+    """spec: random | sharegpt | sharegpt:FILE | grounded | grounded:FILE | jsonl:FILE | shared-prefix |
+    shared-prefix:GROUPS,PREFIX_LEN."""
 
     spec: str = "random"
     num_prompts: int = 100
-    input_len: int = 128  # random only
+    input_len: int = 128  # random: prompt tokens; shared-prefix: each question's
     output_len: int | None = None  # None: the reply's length, else DEFAULT_OUTPUT_LEN
     seed: int = 0
     tokenizer: str | None = None  # a model source whose tokenizer counts (and makes) tokens
     shuffle: bool = True  # file records shuffled by `seed`; False: the first num_prompts in file order
 
     def validate(self) -> None:
-        kind = self.spec.split(":", 1)[0]
-        if kind not in ("random", "sharegpt", "grounded", "jsonl") or (kind == "jsonl" and ":" not in self.spec):
+        kind, _, where = self.spec.partition(":")
+        if kind not in ("random", "sharegpt", "grounded", "jsonl", "shared-prefix") or (kind == "jsonl" and not where):
             raise ConfigError(f"--dataset {self.spec!r}: use random, sharegpt, sharegpt:FILE, grounded, "
-                              "grounded:FILE or jsonl:FILE")
+                              "grounded:FILE, jsonl:FILE, shared-prefix or shared-prefix:GROUPS,PREFIX_LEN")
+        if kind == "shared-prefix":
+            shared_prefix_shape(where)
         if self.num_prompts < 1 or self.input_len < 1 or (self.output_len is not None and self.output_len < 1):
             raise ConfigError("--num-prompts, --input-len and --output-len must be at least 1")
 
     def describe(self) -> dict:
+        generated = self.spec == "random" or self.spec.startswith("shared-prefix")
         return {"dataset": self.spec, "num_prompts": self.num_prompts, "tokenizer": self.tokenizer,
-                "input_len": self.input_len if self.spec == "random" else None, "output_len": self.output_len,
+                "input_len": self.input_len if generated else None, "output_len": self.output_len,
                 "shuffle": self.shuffle}
+
+
+SHARED_PREFIX = (8, 512)  # shared-prefix's groups and prefix tokens when the spec gives none
+
+
+def shared_prefix_shape(where: str) -> tuple[int, int]:
+    """(groups, prefix tokens) of a shared-prefix spec's part after the colon ("" for the defaults)."""
+    if not where:
+        return SHARED_PREFIX
+    parts = where.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise ConfigError(f"--dataset shared-prefix:{where}: give GROUPS,PREFIX_LEN as two positive integers "
+                          "(shared-prefix:8,512)")
+    return int(parts[0]), int(parts[1])
 
 
 VLLM_DATASETS = {"custom": "jsonl"}  # vLLM's --dataset-name for ours, where they differ
@@ -78,6 +103,8 @@ def load_requests(config: DatasetConfig, tokenizer=None) -> list[BenchRequest]:
     kind, _, where = config.spec.partition(":")
     if kind == "random":
         return [_random_request(rng, config, tokenizer) for _ in range(config.num_prompts)]
+    if kind == "shared-prefix":
+        return _shared_prefix_requests(rng, config, tokenizer, *shared_prefix_shape(where))
     if kind == "jsonl":
         pairs = _jsonl_records(where)
     else:
@@ -113,13 +140,31 @@ def _request(prompt: str, reply: str | int | None, config: DatasetConfig, tokeni
 
 
 def _random_request(rng: random.Random, config: DatasetConfig, tokenizer) -> BenchRequest:
-    output_len = config.output_len or DEFAULT_OUTPUT_LEN
+    text = _random_text(rng, config.input_len, tokenizer)
+    return BenchRequest(text, _count(tokenizer, text) if tokenizer else config.input_len,
+                        config.output_len or DEFAULT_OUTPUT_LEN)
+
+
+def _random_text(rng: random.Random, tokens: int, tokenizer) -> str:
+    """About `tokens` tokens of random text: common words (a token each), or the tokenizer's random ids decoded."""
     if tokenizer is None:
-        return BenchRequest(" ".join(rng.choice(WORDS) for _ in range(config.input_len)), config.input_len, output_len)
+        return " ".join(rng.choice(WORDS) for _ in range(tokens))
     special = set(tokenizer.all_special_ids)
     usable = [i for i in range(len(tokenizer)) if i not in special]
-    text = tokenizer.decode([rng.choice(usable) for _ in range(config.input_len)])
-    return BenchRequest(text, _count(tokenizer, text), output_len)
+    return tokenizer.decode([rng.choice(usable) for _ in range(tokens)])
+
+
+def _shared_prefix_requests(rng: random.Random, config: DatasetConfig, tokenizer, groups: int,
+                            prefix_len: int) -> list[BenchRequest]:
+    """`num_prompts` prompts, question i in group i % groups: that group's prefix, a blank line, the question."""
+    prefixes = [_random_text(rng, prefix_len, tokenizer) for _ in range(groups)]
+    by_group = sorted(range(config.num_prompts), key=lambda i: i % groups)  # group 0's questions first
+    prompts = [f"{prefixes[i % groups]}\n\n{_random_text(rng, config.input_len, tokenizer)}" for i in by_group]
+    if config.shuffle:
+        rng.shuffle(prompts)
+    output_len = config.output_len or DEFAULT_OUTPUT_LEN
+    return [BenchRequest(p, _count(tokenizer, p) if tokenizer else prefix_len + config.input_len, output_len)
+            for p in prompts]
 
 
 def _count(tokenizer, text: str) -> int:

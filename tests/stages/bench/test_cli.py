@@ -91,6 +91,7 @@ def test_unreachable_url_reports_failure_counts(tmp_path, capsys):
     (["--request-rate", "-1"], "--request-rate '-1'"),
     (["--dataset", "sonnet"], "--dataset 'sonnet'"),
     (["--dataset", "jsonl:/no/such.jsonl"], "no such JSON lines file"),
+    (["--dataset", "shared-prefix:8"], "give GROUPS,PREFIX_LEN"),
     (["--endpoint", "embeddings"], "--endpoint embeddings"),
 ])
 def test_bad_options_give_one_line_and_exit_2(argv, expect, capsys):

@@ -69,3 +69,28 @@ def test_jsonl_records_and_errors(tmp_path):
         load_requests(DatasetConfig(f"jsonl:{bad}"))
     with pytest.raises(ConfigError, match="--dataset"):
         load_requests(DatasetConfig("jsonl"))
+
+
+def test_shared_prefix_groups_share_their_prefix_and_nothing_else(tiny_hf):
+    config = DatasetConfig("shared-prefix:3,20", num_prompts=12, input_len=6, output_len=4, seed=5)
+    requests = load_requests(config)
+    prefixes = [r.prompt.split("\n\n")[0] for r in requests]
+    assert len(set(prefixes)) == 3 and all(prefixes.count(p) == 4 for p in set(prefixes))
+    assert all(len(p.split()) == 20 for p in prefixes)
+    questions = [r.prompt.split("\n\n")[1] for r in requests]
+    assert len(set(questions)) == 12 and all(len(q.split()) == 6 for q in questions)
+    assert all(r.prompt_len == 26 and r.output_len == 4 for r in requests)
+    assert [r.prompt for r in load_requests(config)] == [r.prompt for r in requests]  # seeded
+    in_order = load_requests(DatasetConfig("shared-prefix:3,20", num_prompts=12, input_len=6, shuffle=False))
+    firsts = [r.prompt.split("\n\n")[0] for r in in_order]
+    assert firsts[:4] == [firsts[0]] * 4 and firsts[4] != firsts[0]  # group by group without shuffling
+    assert {len(load_requests(DatasetConfig("shared-prefix", num_prompts=2))[0].prompt.split())} == {512 + 128}
+    tok = tiny_hf[2]
+    counted = load_requests(DatasetConfig("shared-prefix:2,16", num_prompts=4, input_len=8), tokenizer=tok)
+    assert all(r.prompt_len == len(tok.encode(r.prompt, add_special_tokens=False)) for r in counted)
+
+
+@pytest.mark.parametrize("spec", ["shared-prefix:8", "shared-prefix:0,512", "shared-prefix:a,b"])
+def test_shared_prefix_shape_errors(spec):
+    with pytest.raises(ConfigError, match="GROUPS,PREFIX_LEN"):
+        DatasetConfig(spec).validate()

@@ -177,3 +177,19 @@ def test_the_scrape_config_loads_the_alert_rules():
     assert config["scrape_configs"][0]["metrics_path"] == "/metrics"
     for rule in alert_rules():
         assert rule["alert"].startswith("Llmopt") and rule["labels"]["severity"] in {"warning", "critical"}
+
+
+def test_a_shared_prefix_bench_hits_the_prefix_cache(model_dir, tmp_path):
+    """`llmopt bench --dataset shared-prefix` against the real server: after each group's first question, the
+    rest find its prefix's blocks cached (the server's own prefix_cache_hits_total, in tokens)."""
+    from llmopt.cli.main import main
+
+    with serve(model_dir) as server:
+        code = main(["bench", "--url", server.base_url, "--dataset", "shared-prefix:2,16", "--num-prompts", "8",
+                     "--input-len", "2", "--output-len", "2", "--max-concurrency", "1", "--warmup", "0", "--quiet",
+                     "--json", str(tmp_path / "report.json")])
+        with server.client() as client:
+            text = client.get("/metrics").text
+    assert code == 0
+    queries, hits = value(text, "llmopt:prefix_cache_queries_total"), value(text, "llmopt:prefix_cache_hits_total")
+    assert queries > 8 * 16 and hits >= 6 * 16  # 6 of 8 prompts find at least a 16-token block of their prefix
