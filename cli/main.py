@@ -33,6 +33,7 @@ COMMANDS = (
     ("generate", "generate_cmd", "Offline generation through the serve engine (one prompt, or a resumable JSONL batch)."),
     ("profile", "profile_cmd", "Where time and memory go on the serve engine: roofline, per-layer/op, capacity plan, HTML."),
     ("serve", "serve_cmd", "OpenAI-compatible HTTP server: streaming, metrics, health, backpressure, auth."),
+    ("route", "route_cmd", "One endpoint in front of serve replicas: round-robin, least-load or cache-aware, health ejection, retries."),
 )
 BENCH_COMMANDS = (
     ("compare", "bench_compare_cmd", "Side-by-side table of two --json reports; exit 1 on a regression beyond the bound."),

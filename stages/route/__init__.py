@@ -1,0 +1,1 @@
+"""`llmopt route`: one OpenAI-compatible endpoint in front of llmopt serve replicas on any machines."""
