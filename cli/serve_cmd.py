@@ -14,7 +14,7 @@ from .options import (Backend, BackendOpt, DType, DTypeOpt, MasterAddr, MasterPo
 
 Opt = typer.Option
 E, S, T = DEFAULTS.engine, DEFAULTS.server, DEFAULTS.tp  # every default below is read from ServeConfig
-O = OPTIONS.defaults  # those of options that are no config field (--api-key-file)
+O = OPTIONS.defaults  # those of options that are no config field (--api-key-file, --api-keys-file)
 
 
 def run(ctx: typer.Context, source: Source,
@@ -26,6 +26,9 @@ def run(ctx: typer.Context, source: Source,
                                               "'Authorization: Bearer KEY' (all but /health).")] = S.api_key,
         api_key_file: Annotated[Optional[str], Opt("--api-key-file", help="Read the key from this file (kept out "
                                                    "of `ps`), instead of --api-key.")] = O.api_key_file,
+        api_keys_file: Annotated[Optional[str], Opt("--api-keys-file", help="YAML file of keys, each a tenant "
+                                                    "with optional max_concurrency and tokens_per_minute "
+                                                    "(docs/serve.md, Tenants); not with --api-key.")] = O.api_keys_file,
         served_model_name: Annotated[Optional[str], Opt("--served-model-name", help="Default: SOURCE.")] = None,
         metrics_public: Annotated[bool, Opt("--metrics-public",
                                             help="/metrics without the API key.")] = S.metrics_public,

@@ -17,6 +17,7 @@ from ..errors import ConfigError
 from ..options import DTYPES, FromOptions, Option, Options, dtype_option
 from .engine.config import EngineConfig, speculative_config
 from .http.config import ServerConfig
+from .http.tenants import read_tenants
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,11 @@ class ServeConfig(FromOptions):
         engine = EngineConfig(**{name: o[name] for name in ENGINE_OPTIONS}, speculative=speculative)
         server = {name: o[name] for name in SERVER_OPTIONS}
         server |= {f"{name}_s": o[name] for name in SERVER_SECONDS}
+        if o["api_keys_file"] is not None and (o["api_key"] is not None or o["api_key_file"] is not None):
+            raise ConfigError("give --api-keys-file (keys with their tenants) or --api-key / --api-key-file / "
+                              "$LLMOPT_API_KEY (one key), not both")
         server["api_key"] = read_api_key(o["api_key"], o["api_key_file"])
+        server["tenants"] = read_tenants(o["api_keys_file"]) if o["api_keys_file"] is not None else ()
         if o["served_model_name"] is not None:  # None: the command names the model after its SOURCE
             server["served_model_name"] = o["served_model_name"]
         tp = TPOptions(o["nnodes"], o["node_rank"], o["master_addr"], o["master_port"])
@@ -147,7 +152,7 @@ DEFAULTS = ServeConfig()  # what every option is when not given: the command lin
 _E, _S, _T = DEFAULTS.engine, DEFAULTS.server, DEFAULTS.tp
 OPTIONS = Options(  # in `llmopt serve`'s order
     Option("host", str, _S.host), Option("port", int, _S.port), Option("api_key", str, _S.api_key, optional=True),
-    Option("api_key_file", str, None, optional=True),
+    Option("api_key_file", str, None, optional=True), Option("api_keys_file", str, None, optional=True),
     Option("served_model_name", str, None, optional=True), Option("metrics_public", bool, _S.metrics_public),
     Option("max_queued_requests", int, _S.max_queued_requests), Option("max_queued_tokens", int, _S.max_queued_tokens),
     Option("max_body_bytes", int, _S.max_body_bytes),

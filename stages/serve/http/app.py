@@ -60,9 +60,10 @@ def _add_middleware(app: FastAPI, config: ServerConfig) -> None:
     # Each one added wraps the ones before: the access log sees every answer, 401, 408 and 413 included.
     app.add_middleware(BodyTimeout, timeout_s=config.header_timeout_s)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
-    if config.api_key is not None:
+    keys = config.bearer_keys()
+    if keys:
         open_paths = {"/health", "/ping"} | ({"/metrics"} if config.metrics_public else set())
-        app.add_middleware(ApiKeyAuth, api_key=config.api_key, open_paths=frozenset(open_paths))
+        app.add_middleware(ApiKeyAuth, keys=keys, open_paths=frozenset(open_paths))
     app.add_middleware(AccessLog, log_json=config.log_json)
 
 

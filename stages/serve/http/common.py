@@ -15,7 +15,7 @@ _ERROR = {"description": "OpenAI error body", "content": {"application/json": {"
     "type": "object", "required": ["error"], "properties": {"error": {"type": "object", "properties": {
         "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
         "code": {"type": ["string", "null"]}}}}}}}}
-ERROR_RESPONSES = {status: _ERROR for status in (400, 401, 404, 413, 503, 504)}
+ERROR_RESPONSES = {status: _ERROR for status in (400, 401, 404, 413, 429, 503, 504)}
 
 
 def server_state(request: Request) -> ServerState:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...errors import ConfigError
+from .tenants import Tenant
 
 
 @dataclass(frozen=True)
@@ -12,6 +13,7 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str = "model"
     api_key: str | None = field(default=None, repr=False)  # when set, every route but /health needs it as Bearer
+    tenants: tuple[Tenant, ...] = field(default=(), repr=False)  # --api-keys-file: keys with their own limits
     metrics_public: bool = False  # /metrics without the key
     max_queued_requests: int = 256  # sequences waiting beyond the running batch; more get 503
     max_queued_tokens: int = 262_144  # prompt tokens not yet prefilled; more get 503
@@ -43,8 +45,16 @@ class ServerConfig:
         _at_least("--max-connections", self.max_connections, 1)
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
+        if self.api_key is not None and self.tenants:
+            raise ConfigError("give --api-key (or --api-key-file, $LLMOPT_API_KEY) or --api-keys-file, not both")
         if not self.served_model_name:
             raise ConfigError("--served-model-name must not be empty")
+
+    def bearer_keys(self) -> dict[str, str | None]:
+        """Every accepted key and its tenant's name (None for the one --api-key); empty: no auth."""
+        if self.tenants:
+            return {t.key: t.name for t in self.tenants}
+        return {self.api_key: None} if self.api_key is not None else {}
 
 
 def _at_least(name: str, value: int, low: int) -> None:

@@ -21,7 +21,7 @@ from ..engine.async_engine import EngineDeadError
 log = logging.getLogger("llmopt.serve")
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-         404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+         404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
          503: "service_unavailable_error", 504: "timeout_error"}
 
 

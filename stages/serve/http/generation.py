@@ -1,9 +1,10 @@
 """Generation: the engine sequences of one HTTP request (each prompt times n), as one stream.
 
 It has the engine check every sequence before any is admitted (a too-long prompt is a 400 even on
-a busy server), passes admission (or a 503), merges the sequences' outputs, feeds the metrics, and
-on every way out — finished, client gone, timeout, server shutdown, error — aborts what is still
-running, so the engine frees those KV blocks at its next step. The engine keeps every request's
+a busy server), passes its tenant's limits (or a 429, quota.py) and admission (or a 503), merges
+the sequences' outputs, feeds the metrics, and on every way out — finished, client gone, timeout,
+server shutdown, error — aborts what is still running, so the engine frees those KV blocks at its
+next step, and gives its tenant back the tokens it did not use. The engine keeps every request's
 state; this keeps only the HTTP request's: its streams, metric traces, timer and disconnect watcher.
 The server's state lists it while it runs, so a drain that runs out of time can abort it.
 """
@@ -53,6 +54,8 @@ class Generation:
         self.timer = self.watcher = None
         self.access_id: str | None = None  # the access log's id of the HTTP request (X-Request-Id)
         self.streams: list[AsyncIterator[RequestOutput]] = []
+        self.generated = [0] * len(self.jobs)  # output tokens per sequence so far, for the tenant's refund
+        self.lease = None  # the tenant's hold (quota.py) while the request runs
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -60,11 +63,13 @@ class Generation:
     def start(self, request=None) -> Generation:
         """Check, admit and submit every sequence; watch `request` for a client disconnect."""
         requests = [self._checked(*job) for job in self.jobs]  # a 400 for any before anything is queued
-        self.state.admission.admit([len(r.prompt_token_ids) for r in requests])
+        tenant = request.scope.get("state", {}).get("tenant") if request is not None else None
+        self.lease = self.state.quotas.acquire(tenant, self._most_tokens())
         try:
+            self.state.admission.admit([len(r.prompt_token_ids) for r in requests])
             for checked in requests:
                 self.streams.append(self.engine.submit(checked))
-        except BaseException:  # the engine died meanwhile: take back what was submitted
+        except BaseException:  # a 503, or the engine died meanwhile: take back what was submitted
             self.close()
             raise
         self.state.in_flight.add(self)
@@ -81,6 +86,7 @@ class Generation:
         try:
             async for index, out in self._merged():
                 self.traces[index].observe(out)
+                self.generated[index] = out.num_output_tokens
                 if out.finished:
                     if out.finish_reason == "abort" and self.timed_out:
                         raise APIError(504, f"the request did not finish within {self.state.config.request_timeout_s}"
@@ -119,6 +125,14 @@ class Generation:
                 handle.cancel()
         self.cancel()
         self.state.in_flight.discard(self)
+        if self.lease is not None:
+            submitted = self.jobs[:len(self.streams)]  # a request refused by admission used nothing
+            self.lease.release(sum(len(ids) for _, ids, _ in submitted) + sum(self.generated))
+
+    def _most_tokens(self) -> int:
+        """Prompt + max_tokens of every sequence (to the model's length where max_tokens is not given)."""
+        return sum(len(ids) + (sp.max_tokens if sp.max_tokens is not None else self.state.max_model_len - len(ids))
+                   for _, ids, sp in self.jobs)
 
     def _checked(self, seq_id: str, ids: list[int], params) -> Request:
         try:

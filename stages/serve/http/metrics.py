@@ -24,6 +24,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 FINISH_REASONS = ("stop", "length", "abort")
+TENANT_OUTCOMES = ("admitted", "rate_limited", "concurrency_limited")  # quota.py's
 REJECT_REASONS = ("queue_full", "queue_tokens_full", "draining", "too_many_connections")
 
 
@@ -35,6 +36,7 @@ class Scrape:
     rejected: dict[str, int]
     healthy: bool
     cache_config: dict[str, str] = field(default_factory=dict)
+    tenants: list = field(default_factory=list)  # quota.TenantUsage of each --api-keys-file tenant
 
 
 class ServerMetrics:
@@ -88,6 +90,8 @@ class EngineCollector:
                                      labels=["model_name", *scrape.cache_config])
             info.add_metric(m + list(scrape.cache_config.values()), 1.0)
             yield info
+        if scrape.tenants:
+            yield from _tenant_series(scrape.tenants, m)
         if scrape.stats is not None:
             yield from _engine_series(scrape.stats, m)
 
@@ -112,6 +116,23 @@ def _engine_series(stats, m: list[str]):
         yield _counter("spec_decode_num_drafts", "Verify steps of a sequence with drafts.", m, spec.num_drafts)
         yield _counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", m, spec.num_draft_tokens)
         yield _counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", m, spec.num_accepted_tokens)
+
+
+def _tenant_series(tenants: list, m: list[str]):
+    """New series only (every other one keeps vLLM's labels): requests by tenant and outcome, in flight, tokens."""
+    requests = CounterMetricFamily(P + "tenant_requests", "Requests by tenant and outcome: admitted past the tenant's "
+                                   "limits, or refused with 429.", labels=["model_name", "tenant", "outcome"])
+    in_flight = GaugeMetricFamily(P + "tenant_requests_in_flight", "A tenant's requests admitted and not yet ended.",
+                                  labels=["model_name", "tenant"])
+    tokens = CounterMetricFamily(P + "tenant_tokens", "Prompt + generated tokens of a tenant's ended requests.",
+                                 labels=["model_name", "tenant"])
+    for usage in tenants:
+        name = usage.tenant.name
+        for outcome in TENANT_OUTCOMES:
+            requests.add_metric(m + [name, outcome], usage.outcomes.get(outcome, 0))
+        in_flight.add_metric(m + [name], usage.in_flight)
+        tokens.add_metric(m + [name], usage.tokens)
+    yield from (requests, in_flight, tokens)
 
 
 def _iteration_tokens(counts, m: list[str]) -> HistogramMetricFamily:

@@ -76,21 +76,31 @@ class AccessLog:
 
 
 class ApiKeyAuth:
-    """`Authorization: Bearer KEY` on every route but the open ones; compared in constant time."""
+    """`Authorization: Bearer KEY` on every route but the open ones, KEY one of `keys` (compared in constant
+    time, each of them); the key's tenant name goes to the request's scope state as "tenant"."""
 
-    def __init__(self, app, api_key: str, open_paths: frozenset[str]):
-        self.app, self.key, self.open_paths = app, api_key.encode(), open_paths
+    def __init__(self, app, keys: dict[str, str | None], open_paths: frozenset[str]):
+        self.app, self.open_paths = app, open_paths
+        self.keys = [(key.encode(), tenant) for key, tenant in keys.items()]
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in self.open_paths or self._authorized(scope):
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            return await self.app(scope, receive, send)
+        found, tenant = self._tenant(scope)
+        if found:
+            scope.setdefault("state", {})["tenant"] = tenant
             return await self.app(scope, receive, send)
         await send_error(send, 401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                          "invalid_api_key", {"WWW-Authenticate": "Bearer"})
 
-    def _authorized(self, scope) -> bool:
+    def _tenant(self, scope) -> tuple[bool, str | None]:
         value = (_header(scope, b"authorization") or "").encode("latin-1")
         scheme, _, token = value.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+        token, found, tenant = token.strip(), False, None
+        for key, name in self.keys:  # no early exit: the time taken does not say which key matched
+            if hmac.compare_digest(token, key):
+                found, tenant = True, name
+        return scheme.lower() == b"bearer" and found, tenant
 
 
 class BodyLimit:

@@ -9,6 +9,7 @@ from .admission import Admission
 from .config import ServerConfig
 from .errors import APIError, engine_dead
 from .metrics import Scrape, ServerMetrics
+from .quota import Quotas
 
 log = logging.getLogger("llmopt.serve")
 
@@ -21,6 +22,7 @@ class ServerState:
         self.metrics = ServerMetrics(config.served_model_name, self.scrape)
         self.engine: AsyncEngine | None = None
         self.admission: Admission | None = None
+        self.quotas = Quotas(config.tenants, config.retry_after_s)  # per-tenant limits (--api-keys-file)
         self.load_error: BaseException | None = None
         self.draining = False
         self.fatal: BaseException | None = None  # a tensor-parallel rank died: the server is stopping
@@ -72,7 +74,7 @@ class ServerState:
 
     def scrape(self) -> Scrape:
         """What /metrics reads beside the HTTP side's own series."""
-        return Scrape(self.stats(), self.rejected(), self.healthy, self.cache_config)
+        return Scrape(self.stats(), self.rejected(), self.healthy, self.cache_config, self.quotas.snapshot())
 
     @staticmethod
     def _cache_config(llm_engine) -> dict[str, str]:

@@ -24,6 +24,19 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def served(monkeypatch):
+    """The ServerConfig `llmopt serve` would serve with; nothing is loaded or bound."""
+    import llmopt.stages.serve.build as build
+    import llmopt.stages.serve.http.server as server
+
+    configs = []
+    monkeypatch.setattr(build, "build_engine", lambda *args, **kw: None)
+    monkeypatch.setattr(server, "serve", lambda config, loader, **kw: configs.append(config))
+    monkeypatch.delenv("LLMOPT_API_KEY", raising=False)
+    return configs
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     """A tiny random Llama whose tokenizer has a chat template."""

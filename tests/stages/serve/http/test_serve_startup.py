@@ -12,19 +12,6 @@ from llmopt.cli.main import main
 from .serve_process import TINY, free_port
 
 
-@pytest.fixture
-def served(monkeypatch):
-    """The ServerConfig `llmopt serve` would serve with; nothing is loaded or bound."""
-    import llmopt.stages.serve.build as build
-    import llmopt.stages.serve.http.server as server
-
-    configs = []
-    monkeypatch.setattr(build, "build_engine", lambda *args, **kw: None)
-    monkeypatch.setattr(server, "serve", lambda config, loader, **kw: configs.append(config))
-    monkeypatch.delenv("LLMOPT_API_KEY", raising=False)
-    return configs
-
-
 def test_the_api_key_comes_from_a_file_and_stays_out_of_the_config_repr(served, model_dir, tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text("  s3cret-key\n")
