@@ -71,7 +71,14 @@ def run(ctx: typer.Context, source: Source,
         nnodes: NNodes = T.nnodes, node_rank: NodeRank = T.node_rank, master_addr: MasterAddr = T.master_addr,
         master_port: MasterPort = T.master_port,
         tensor_parallel_size: TensorParallelSize = DEFAULTS.tensor_parallel_size,
-        threads: Threads = DEFAULTS.threads) -> None:
+        threads: Threads = DEFAULTS.threads,
+        data_parallel: Annotated[int, Opt("--data-parallel", "-dp", min=1, help="Engine replicas behind this endpoint, "
+                                          "each its own process and KV cache (CPU: its own cores).")] = DEFAULTS.data_parallel,
+        cores_per_replica: Annotated[Optional[int], Opt("--cores-per-replica", min=1, help="--data-parallel on CPU: "
+                                                        "cores pinned to each replica (default: shared out "
+                                                        "evenly).")] = DEFAULTS.cores_per_replica,
+        router_policy: Annotated[str, Opt("--router-policy", help="--data-parallel: cache-aware | least-load | "
+                                          "round-robin (as llmopt route --policy).")] = DEFAULTS.router_policy) -> None:
     import gc
 
     args = {name: value for name, value in locals().items() if name != "gc"}
@@ -104,6 +111,10 @@ def _serve(args: dict, collecting: bool) -> None:
     options = _with_config_file(args, stage_options(args, ServeConfig.options()))
     config = ServeConfig.from_options(options | {"served_model_name": options["served_model_name"] or source})
     resolve(source)  # a wrong path or alias fails now, before the port is bound
+    if config.data_parallel > 1:  # replicas in processes of their own, this one routes (data_parallel.py)
+        from llmopt.stages.serve.data_parallel import serve_data_parallel
+
+        raise typer.Exit(serve_data_parallel(source, options, config))
     torch_dtype = parse_dtype(config.dtype)
     count = apply_threads(usable_cpus(config.threads))  # before the model's first parallel region
     if config.tp.node_rank > 0:  # this machine only runs its ranks of a sharded artifact; node 0 serves

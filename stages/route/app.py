@@ -129,8 +129,9 @@ class RouterState:
             await asyncio.sleep(self.config.health_interval_s)
 
 
-def create_router_app(config: RouteConfig) -> FastAPI:
-    """The router's app for `config` (validated); its health loop runs while the app is served."""
+def create_router_app(config: RouteConfig, replica_metrics: bool = False) -> FastAPI:
+    """The router's app for `config` (validated); its health loop runs while the app is served. replica_metrics:
+    /metrics also carries every replica's own series, labelled `replica` by its index (serve --data-parallel)."""
     config.validate()
     state = RouterState(config)
 
@@ -161,7 +162,10 @@ def create_router_app(config: RouteConfig) -> FastAPI:
     async def metrics():
         for r in state.replicas:
             state.metrics.in_flight.labels(r.url).set(r.in_flight)
-        return Response(generate_latest(state.metrics.registry), media_type="text/plain; version=0.0.4")
+        text = generate_latest(state.metrics.registry).decode()
+        if replica_metrics:
+            text += await _replicas_metrics(state)
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -176,6 +180,36 @@ def create_router_app(config: RouteConfig) -> FastAPI:
         return await proxy(state, request, "/v1/chat/completions")
 
     return app
+
+
+async def _replicas_metrics(state: RouterState) -> str:
+    """Every healthy replica's /metrics, each sample labelled replica="i", family by family (the text format wants
+    a family's lines together: its HELP and TYPE once, then every replica's samples)."""
+    families: dict[str, tuple[list[str], list[str]]] = {}  # family -> (comment lines, samples), in first order
+    for i, replica in enumerate(state.replicas):
+        if not replica.healthy:
+            continue
+        with contextlib.suppress(httpx.HTTPError):
+            text = (await state.client.get(replica.url + "/metrics", timeout=5)).text
+            family = ""
+            for line in text.splitlines():
+                if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                    family = line.split()[2]
+                    comments = families.setdefault(family, ([], []))[0]
+                    if line not in comments:
+                        comments.append(line)
+                elif line.strip() and not line.startswith("#"):
+                    families.setdefault(family, ([], []))[1].append(with_label(line, "replica", str(i)))
+    lines = [line for comments, samples in families.values() for line in (*comments, *samples)]
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def with_label(sample: str, name: str, value: str) -> str:
+    """A Prometheus text sample line with one more label: 'x{a="1"} 2' -> 'x{a="1",replica="0"} 2'."""
+    metric, _, rest = sample.partition(" ")
+    if metric.endswith("}"):
+        return f'{metric[:-1]},{name}="{value}"}} {rest}'
+    return f'{metric}{{{name}="{value}"}} {rest}'
 
 
 def _headers(request: Request) -> dict:

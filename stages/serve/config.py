@@ -17,6 +17,7 @@ from ..errors import ConfigError
 from ..options import DTYPES, FromOptions, Option, Options, dtype_option
 from .engine.config import EngineConfig, speculative_config
 from .http.config import ServerConfig
+from ..route.config import POLICIES
 from .http.tenants import read_tenants
 
 
@@ -51,6 +52,9 @@ class ServeConfig(FromOptions):
     tp: TPOptions = field(default_factory=TPOptions)
     threads: int | None = None  # CPU threads; None: the CPUs this process may use (llmopt.kernels.threads)
     tensor_parallel_size: int = 1  # vLLM's -tp: ranks to split an unsharded source over at load time
+    data_parallel: int = 1  # engine replicas, each its own process and KV cache, behind one endpoint (data_parallel.py)
+    cores_per_replica: int | None = None  # CPU: cores pinned to each replica; None: the CPUs shared out evenly
+    router_policy: str = "cache-aware"  # how --data-parallel spreads requests (llmopt route's --policy)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -67,6 +71,12 @@ class ServeConfig(FromOptions):
             check_threads(self.threads)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if isinstance(self.data_parallel, bool) or not isinstance(self.data_parallel, int) or self.data_parallel < 1:
+            raise ConfigError(f"--data-parallel {self.data_parallel!r}: give a whole number >= 1")
+        if self.cores_per_replica is not None and self.cores_per_replica < 1:
+            raise ConfigError(f"--cores-per-replica {self.cores_per_replica}: give at least 1")
+        if self.router_policy not in POLICIES:
+            raise ConfigError(f"--router-policy {self.router_policy!r}: use one of {', '.join(POLICIES)}")
 
     @classmethod
     def from_values(cls, o: dict) -> ServeConfig:
@@ -84,7 +94,7 @@ class ServeConfig(FromOptions):
             server["served_model_name"] = o["served_model_name"]
         tp = TPOptions(o["nnodes"], o["node_rank"], o["master_addr"], o["master_port"])
         return cls(engine, ServerConfig(**server), o["device"], o["dtype"], o["backend"], tp, o["threads"],
-                   o["tensor_parallel_size"])
+                   o["tensor_parallel_size"], o["data_parallel"], o["cores_per_replica"], o["router_policy"])
 
 
 ENGINE_OPTIONS = ("block_size", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
@@ -174,5 +184,8 @@ OPTIONS = Options(  # in `llmopt serve`'s order
     Option("nnodes", int, _T.nnodes), Option("node_rank", int, _T.node_rank), Option("master_addr", str, _T.master_addr),
     Option("master_port", int, _T.master_port, optional=True),
     Option("tensor_parallel_size", int, DEFAULTS.tensor_parallel_size), Option("threads", int, None, optional=True),
+    Option("data_parallel", int, DEFAULTS.data_parallel),
+    Option("cores_per_replica", int, DEFAULTS.cores_per_replica, optional=True),
+    Option("router_policy", str, DEFAULTS.router_policy, choices=POLICIES),
 )
 ServeConfig.OPTIONS = OPTIONS
