@@ -3,7 +3,7 @@
 Cache-aware keeps, per replica, a prefix tree over the prompt texts it was sent (characters, as SGLang's router
 does: the router has no tokenizer, and equal texts make equal token prefixes). A request goes to the replica
 whose tree matches the longest prefix of its text, if that covers at least `match_ratio` of it; else to the
-replica whose tree holds the least (spreading new prefixes); and whenever load is skewed (the busiest replica
+least loaded replica, the one whose tree holds the least among equals (spreading new prefixes); and whenever load is skewed (the busiest replica
 has `balance_abs` more requests in flight than the idlest and `balance_rel` times as many) to the least loaded.
 Each tree keeps its most recent `tree_chars` characters of prompts (the replica's own cache forgets too).
 """
@@ -120,4 +120,4 @@ class Router:
         best, _, replica = max(matches, key=lambda m: (m[0], m[1]))
         if text and best >= self.config.match_ratio * len(text):
             return replica, "cache_hit"
-        return min(live, key=lambda r: (r.tree.chars, r.load)), "cache_miss"
+        return min(live, key=lambda r: (r.load, r.tree.chars)), "cache_miss"  # load first, then the emptier tree
