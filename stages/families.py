@@ -168,10 +168,6 @@ class ModelShape:
         return tuple(dict.fromkeys(self.layers))
 
     @property
-    def windowed(self) -> bool:
-        return any(layer.window is not None for layer in self.layers)
-
-    @property
     def kv(self) -> "KVGroups":
         """How the layers share the KV cache's pages (`kv_groups`)."""
         return kv_groups(self.layers)

@@ -12,6 +12,7 @@ else down: the router ejects it.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -88,10 +89,8 @@ def _die_with_parent() -> None:
     """Linux: the kernel sends this process SIGTERM when its parent dies (a killed router leaves no replica)."""
     import ctypes
 
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the replica outlives a killed parent
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _wait_ready(procs: list[subprocess.Popen], ports: list[int]) -> None:
@@ -101,12 +100,10 @@ def _wait_ready(procs: list[subprocess.Popen], ports: list[int]) -> None:
             if procs[i].poll() is not None:
                 raise ConfigError(f"replica {i} exited with {procs[i].returncode} before it was ready (its error "
                                   "is above)")
-            try:
+            with contextlib.suppress(OSError):  # not listening yet, or 503 while it loads
                 with urllib.request.urlopen(f"http://127.0.0.1:{ports[i]}/health", timeout=2) as r:
                     if r.status == 200:
                         waiting.discard(i)
-            except OSError:
-                pass
         if time.monotonic() > deadline:
             raise ConfigError(f"replicas {sorted(waiting)} were not ready within {READY_TIMEOUT_S:.0f} s")
         time.sleep(0.2)

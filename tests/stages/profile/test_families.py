@@ -2,7 +2,6 @@
 step reads per layer (Gemma 3's four norms and q/k norms, Phi-3's fused projections, Qwen2's biases), the
 parameters, the matmul FLOPs, the matmul shapes of a step and the synthetic model's tensors."""
 import json
-import warnings
 
 import pytest
 import torch
@@ -14,17 +13,13 @@ from llmopt.stages.profile.matmuls import step_shapes
 from llmopt.stages.profile.synthetic import random_tensors
 from llmopt.stages.serve.loader import load_runtime
 from llmopt.stages.serve.model import spec_from_config
-from tests.stages.quantize.family_models import FAMILY_NAMES, make_family_model, write_family_dir
+from tests.stages.quantize.family_models import FAMILY_NAMES, make_family_model, write_family_dirs
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     """{family: (directory, model)}; Gemma 3 with its tied embedding, the others untied."""
-    root = tmp_path_factory.mktemp("families")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {name: (root / name, write_family_dir(root / name, name, seed=7, tie=name == "gemma3")[0])
-                for name in FAMILY_NAMES}
+    return write_family_dirs(tmp_path_factory.mktemp("families"), seed=7, tied=("gemma3",))
 
 
 def _bytes(tensors) -> int:

@@ -14,7 +14,7 @@ from llmopt.stages.prune.methods import same_input
 from llmopt.stages.prune.run import run_prune
 from llmopt.stages.prune.stage import check_plan
 from llmopt.stages.prune.structured import shrink_mlp
-from tests.stages.quantize.family_models import FAMILY_NAMES, make_family_model, write_family_dir
+from tests.stages.quantize.family_models import FAMILY_NAMES, make_family_model, write_family_dirs
 
 IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 200, 17, 4]])
 
@@ -22,10 +22,7 @@ IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 200, 17, 4]])
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     """{family: (directory, model)}: each family's tiny model saved once for the module."""
-    root = tmp_path_factory.mktemp("families")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {name: (root / name, write_family_dir(root / name, name, seed=4)[0]) for name in FAMILY_NAMES}
+    return write_family_dirs(tmp_path_factory.mktemp("families"), seed=4)
 
 
 def _config(calib_text, **kw):

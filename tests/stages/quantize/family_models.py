@@ -60,3 +60,14 @@ def write_family_dir(path: Path, name: str, seed: int = 0, layers: int = 2, tie:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return model, tok
+
+
+def write_family_dirs(root: Path, seed: int, tied: tuple[str, ...] = ()) -> dict:
+    """{family: (directory, model)}: every family's tiny model saved under `root` (those in `tied` with a tied
+    embedding), for a test module's `sources` fixture."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {name: (root / name, write_family_dir(root / name, name, seed=seed, tie=name in tied)[0])
+                for name in FAMILY_NAMES}

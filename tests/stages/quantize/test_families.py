@@ -15,7 +15,7 @@ from llmopt.stages.quantize.methods import AWQ, GPTQ, apply_fold, clip_rows, fam
 from llmopt.stages.quantize.rtn import QuantArgs
 from llmopt.stages.quantize.run import run_quantize
 from tests.helpers import CORPUS
-from tests.stages.quantize.family_models import FAMILY_NAMES, make_family_model, write_family_dir
+from tests.stages.quantize.family_models import FAMILY_NAMES, make_family_model, write_family_dirs
 
 IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 200, 17, 4, 8, 12, 40, 41, 42, 43, 44, 45, 46, 47]])
 
@@ -30,10 +30,7 @@ def calib_text(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     """{family: (directory, model)}: each family's tiny model saved once for the module."""
-    root = tmp_path_factory.mktemp("families")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {name: (root / name, write_family_dir(root / name, name, seed=1)[0]) for name in FAMILY_NAMES}
+    return write_family_dirs(tmp_path_factory.mktemp("families"), seed=1)
 
 
 def _config(calib_text, **kw):

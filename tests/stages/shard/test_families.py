@@ -18,7 +18,7 @@ from llmopt.stages.safetensors_io import load_dir
 from llmopt.stages.shard.config import ShardConfig
 from llmopt.stages.shard.plan import local_config
 from llmopt.stages.shard.run import run_shard
-from tests.stages.quantize.family_models import FAMILY_NAMES, write_family_dir
+from tests.stages.quantize.family_models import FAMILY_NAMES, write_family_dirs
 
 IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 200, 17, 4, 8, 12, 40, 41, 42, 43, 44, 45, 46, 47]])  # > the window
 
@@ -26,11 +26,7 @@ IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 200, 17, 4, 8, 12, 40, 41, 42, 43, 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     """{family: (directory, model)}; Gemma 3 with its tied embedding, the others untied."""
-    root = tmp_path_factory.mktemp("families")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {name: (root / name, write_family_dir(root / name, name, seed=6, tie=name == "gemma3")[0])
-                for name in FAMILY_NAMES}
+    return write_family_dirs(tmp_path_factory.mktemp("families"), seed=6, tied=("gemma3",))
 
 
 class SumOfRanks(nn.Module):
