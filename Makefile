@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo bench bench-llamacpp bench-engine bench-kernels fuzz compile-check gpu-wheels clean
+.PHONY: venv test test-fast demo bench bench-llamacpp bench-scale-out bench-engine bench-kernels fuzz compile-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -112,6 +112,14 @@ bench-llamacpp: $(STAMP) $(ART)/w4a16/llmopt.json $(ART)/w4a16e8/llmopt.json
 	$(PY) scripts/bench_llamacpp.py $(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER)) --gguf $(LLAMA_GGUF) \
 	    --llama-args "$(LLAMA_ARGS)" --run "llmopt-w4a16=$(ART)/w4a16:$(LLAMACPP_SERVE)" \
 	    --run "llmopt-w4a16-int8emb=$(ART)/w4a16e8:$(LLAMACPP_SERVE)" --out $(BENCH_OUT)/llamacpp
+
+# Scale-out on this machine (scripts/bench_scale_out.py, docs/route.md): two replicas pinned to a core each behind
+# llmopt route: cache-aware vs round-robin on shared prefixes, vs least-load without; SIGKILL of a replica under
+# load; a tenant flooding at ten times its limit; the router's own latency.
+bench-scale-out: $(STAMP) $(ART)/w4a16e8/llmopt.json
+	for mode in cache kill tenants overhead; do \
+	    $(PY) scripts/bench_scale_out.py $(ART)/w4a16e8 $$mode --out $(BENCH_OUT)/scale-out/$$mode || exit 1; \
+	done
 
 $(ART)/w4a16e8/llmopt.json: | $(ART)/base/llmopt.json
 	$(LLMOPT) quantize $(ART)/base -o $(@D) --method rtn --scheme W4A16 --embeddings int8 --eval-windows 0 --force

@@ -110,18 +110,29 @@ class RouterState:
             why = type(e).__name__
         if response is not None and response.status_code == 200:
             self.admit(replica)
-            await self._read_load(replica, timeout)
+            if not self._load_from_health(replica, response):
+                await self._read_load(replica, timeout)
             return
         replica.failed_checks += 1
         if replica.failed_checks >= self.config.eject_after:
             self.eject(replica, f"/health {response.status_code if response is not None else why} "
                                 f"{replica.failed_checks} times in a row")
 
+    @staticmethod
+    def _load_from_health(replica: Replica, response: httpx.Response) -> bool:
+        """llmopt serve's /health carries its running and waiting requests: no /metrics to render and parse."""
+        try:
+            body = response.json()
+            replica.report(int(body["num_requests_running"]) + int(body["num_requests_waiting"]))
+            return True
+        except (ValueError, KeyError, TypeError):
+            return False
+
     async def _read_load(self, replica: Replica, timeout: float) -> None:
         with contextlib.suppress(httpx.HTTPError, ValueError):
             text = (await self.client.get(replica.url + "/metrics", timeout=timeout)).text
-            replica.reported = int(sum(s.value for f in text_string_to_metric_families(text)
-                                       for s in f.samples if s.name in LOAD_METRICS))
+            replica.report(int(sum(s.value for f in text_string_to_metric_families(text)
+                                       for s in f.samples if s.name in LOAD_METRICS)))
 
     async def health_loop(self) -> None:
         while True:

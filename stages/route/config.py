@@ -16,7 +16,7 @@ class RouteConfig:
     port: int = 8080
     health_interval_s: float = 1.0  # GET /health of every replica this often
     eject_after: int = 3  # failed checks in a row before a replica is taken out (a refused connection: at once)
-    balance_abs: int = 4  # cache-aware: when the busiest replica has this many more requests in flight ...
+    balance_abs: int = 8  # cache-aware: when the busiest replica has this many more requests in flight ...
     balance_rel: float = 1.5  # ... and this many times the idlest's (+1), route by load instead
     match_ratio: float = 0.5  # cache-aware: below this share of the prompt matched, prefer the emptiest tree
     tree_chars: int = 2_000_000  # cache-aware: characters kept per replica's tree (oldest prompts dropped)
@@ -36,3 +36,5 @@ class RouteConfig:
             raise ConfigError(f"--policy {self.policy!r}: use one of {', '.join(POLICIES)}")
         if self.health_interval_s <= 0 or self.eject_after < 1 or self.retries < 0:
             raise ConfigError("--health-interval must be positive, --eject-after at least 1, --retries at least 0")
+        if self.balance_abs < 0 or self.balance_rel < 1 or not 0 <= self.match_ratio <= 1:
+            raise ConfigError("--balance-abs must be at least 0, --balance-rel at least 1, --cache-threshold in [0, 1]")

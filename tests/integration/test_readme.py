@@ -3,8 +3,8 @@ folder with an empty import cache), and every other command it shows parses (llm
 
 The quickstart is the fenced ```bash block right under the "## Quickstart" heading. Each line is one
 `llmopt ...` command (a trailing `# comment` is dropped); a line ending in `&` starts a server in the
-background, and `kill %1` stops it with SIGTERM. Any other line fails the test, so the README cannot
-show a command that nothing runs.
+background as job %1, %2, ... and `kill %1 %2` stops them with SIGTERM. Any other line fails the test, so
+the README cannot show a command that nothing runs.
 """
 from __future__ import annotations
 
@@ -153,22 +153,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def with_port(commands: list[list[str]], port: int) -> list[list[str]]:
-    """The README's server port replaced by a free one, in `serve --port N` and in every URL."""
-    old = "8000"
-    for argv in commands:
-        if argv[:2] == ["llmopt", "serve"] and "--port" in argv:
-            old = argv[argv.index("--port") + 1]
+def with_ports(commands: list[list[str]]) -> list[list[str]]:
+    """Each background server's README port (`--port N` on a line ending in &) replaced by a free one, there and in
+    every URL that names it, so the test never collides with a port in use."""
+    ports = {argv[argv.index("--port") + 1]: str(free_port()) for argv in commands
+             if argv[-1] == "&" and "--port" in argv}
     out = []
     for argv in commands:
-        argv = [re.sub(rf"^(https?://(?:127\.0\.0\.1|localhost)):{old}\b", rf"\g<1>:{port}", a) for a in argv]
-        if argv[:2] == ["llmopt", "serve"]:
-            if "--port" in argv:
-                argv[argv.index("--port") + 1] = str(port)
-            else:
-                argv[-1:-1] = ["--port", str(port)]
+        argv = list(argv)
+        for old, new in ports.items():
+            argv = [re.sub(rf"^(https?://(?:127\.0\.0\.1|localhost)):{old}\b", rf"\g<1>:{new}", a) for a in argv]
+        if argv[-1] == "&" and "--port" in argv:
+            i = argv.index("--port") + 1
+            argv[i] = ports[argv[i]]
         out.append(argv)
     return out
+
+
+def server_port(argv: list[str]) -> int:
+    assert "--port" in argv, f"`{shlex.join(argv)}`: a background server in the quickstart names its --port"
+    return int(argv[argv.index("--port") + 1])
 
 
 def tail(path: Path, lines: int = 40) -> str:
@@ -209,32 +213,37 @@ def run_one(argv: list[str], cwd: Path, env: dict, log: Path) -> None:
 
 @pytest.mark.integration
 def test_quickstart_runs(tmp_path):
-    """Every line, in order, as a new user runs them: in an empty folder, with an empty import cache."""
-    port = free_port()
-    commands = with_port(quickstart_commands(README.read_text(encoding="utf-8")), port)
+    """Every line, in order, as a new user runs them: in an empty folder, with an empty import cache. A line ending
+    in & starts background job %1, %2, ... (bash's numbering); `kill %1 %2` sends them SIGTERM and each must exit 0."""
+    commands = with_ports(quickstart_commands(README.read_text(encoding="utf-8")))
     env = dict(os.environ, LLMOPT_CACHE_DIR=str(tmp_path / "cache"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     work = tmp_path / "work"
     work.mkdir()
-    server, timings = None, []
+    jobs: dict[int, subprocess.Popen] = {}
+    timings = []
     try:
         for i, argv in enumerate(commands):
             start, log = time.monotonic(), tmp_path / f"{i:02d}-{argv[0]}-{argv[1]}.log"
-            if argv == ["kill", "%1"]:
-                assert server is not None, "`kill %1` without a server started by a line ending in &"
-                code, server = stop(server), None
-                assert code == 0, f"the server exited {code} after SIGTERM (drain should exit 0)"
+            if argv[0] == "kill":
+                numbers = [int(a[1:]) for a in argv[1:] if re.fullmatch(r"%\d+", a)]
+                assert numbers and len(numbers) == len(argv) - 1, f"`{shlex.join(argv)}`: kill takes %N job numbers"
+                for n in numbers:
+                    assert n in jobs, f"`{shlex.join(argv)}`: no background job %{n}"
+                    code = stop(jobs.pop(n))
+                    assert code == 0, f"job %{n} exited {code} after SIGTERM (drain should exit 0)"
             elif argv[0] != "llmopt":
-                pytest.fail(f"quickstart line `{shlex.join(argv)}` is neither `llmopt ...` nor `kill %1`")
+                pytest.fail(f"quickstart line `{shlex.join(argv)}` is neither `llmopt ...` nor `kill %N`")
             elif argv[-1] == "&":
-                assert server is None, "a second background server"
+                n = max(jobs, default=0) + 1  # bash: one more than the highest job still in the table
                 with open(log, "w") as out:  # the child keeps its own copy of the descriptor
-                    server = subprocess.Popen(llmopt_argv(argv[1:-1]), cwd=work, env=env, stdout=out,
-                                              stderr=subprocess.STDOUT)
-                wait_healthy(server, port, log)
+                    jobs[n] = subprocess.Popen(llmopt_argv(argv[1:-1]), cwd=work, env=env, stdout=out,
+                                               stderr=subprocess.STDOUT)
+                wait_healthy(jobs[n], server_port(argv), log)
             else:
                 run_one(argv, work, env, log)
             timings.append(f"{time.monotonic() - start:6.1f} s  {shlex.join(argv)}")
+        assert not jobs, f"background jobs still running at the end of the quickstart: {sorted(jobs)}"
     finally:
-        if server is not None:
-            stop(server)
+        for job in jobs.values():
+            stop(job)
         print("\n".join(timings))

@@ -36,10 +36,12 @@ def _model_card(state) -> dict:
 
 @router.get("/health", responses={503: {"description": "loading, shutting down, or the engine is dead"}})
 async def health(request: Request):
-    """200 when the engine is loaded and running; 503 while loading, draining, or when it has died."""
+    """200 when the engine is loaded and running, with its running and waiting requests (what a router's
+    least-load reads, without rendering /metrics); 503 while loading, draining, or when it has died."""
     state = server_state(request)
     if state.healthy:
-        return {"status": "ok"}
+        stats = state.stats()
+        return {"status": "ok", "num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting}
     if state.draining:
         status = "draining"
     elif state.engine is None:

@@ -60,6 +60,7 @@ def make_server(config: ServerConfig, loader: Callable[[], object], on_load_erro
     # model that fails to load is one line from the command.
     server = DrainingServer(config, state, uvicorn.Config(
         app, host=config.host, port=config.port, access_log=False, lifespan="on", log_level="warning",
+        loop="asyncio",  # what the drain and the guarded protocol were built and tested on (uvloop: the router's)
         http=guarded_protocol(config.header_timeout_s, config.max_connections, refuse),
         timeout_keep_alive=config.keep_alive_timeout_s,  # typed int, used as call_later(seconds)
         timeout_graceful_shutdown=config.drain_timeout_s + FLUSH_S))

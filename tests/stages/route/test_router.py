@@ -37,15 +37,21 @@ class Fake:
 
     def __init__(self):
         self.healthy, self.mode, self.calls = True, "ok", 0
+        self.load_in_health, self.running, self.waiting, self.scrapes = False, 0, 0, 0
         self.app = FastAPI()
 
         @self.app.get("/health")
         async def health():
-            return {"status": "ok"} if self.healthy else JSONResponse({"status": "down"}, status_code=503)
+            if not self.healthy:
+                return JSONResponse({"status": "down"}, status_code=503)
+            counts = {"num_requests_running": self.running, "num_requests_waiting": self.waiting}
+            return {"status": "ok", **(counts if self.load_in_health else {})}
 
         @self.app.get("/metrics")
         async def metrics():
-            return PlainTextResponse("llmopt:num_requests_running 0\nllmopt:num_requests_waiting 0\n")
+            self.scrapes += 1
+            return PlainTextResponse(f"llmopt:num_requests_running {self.running}\n"
+                                     f"llmopt:num_requests_waiting {self.waiting}\n")
 
         @self.app.post("/v1/completions")
         async def completions():
@@ -194,3 +200,22 @@ def test_a_stopped_replica_refuses_connections_and_is_ejected_at_once():
             assert wait_for(lambda: not state.replicas[0].healthy) < 3.0  # long before 100 failed checks
             for _ in range(3):
                 assert client.post(router.base_url + "/v1/completions", json={**BODY, "prompt": "a"}).status_code == 200
+
+
+@pytest.mark.parametrize("load_in_health", [True, False])
+def test_least_load_reads_each_replica_from_health_or_else_metrics(load_in_health):
+    """llmopt serve's /health carries the counts (no /metrics scrape); another server's load comes from /metrics."""
+    fakes = [Fake(), Fake()]
+    for f in fakes:
+        f.load_in_health = load_in_health
+    fakes[0].running, fakes[0].waiting = 3, 2  # another router's requests keep replica 0 busy
+    with running(fakes[0].app) as r0, running(fakes[1].app) as r1:
+        config = RouteConfig((r0.base_url, r1.base_url), "least-load", **FAST)
+        app = create_router_app(config)
+        with running(app) as router, httpx.Client(timeout=10) as client:
+            state = app.state.router
+            wait_for(lambda: state.router.replicas[0].load == 5)
+            for _ in range(3):
+                assert client.post(router.base_url + "/v1/completions", json={**BODY, "prompt": "x"}).status_code == 200
+            assert (fakes[0].calls, fakes[1].calls) == (0, 3)
+            assert (fakes[0].scrapes == 0) is load_in_health

@@ -42,7 +42,8 @@ def test_version_and_ping(server):
         assert version.status_code == 200 and version.json()["version"]
         for method in ("GET", "POST"):
             ping = client.request(method, "/ping")
-            assert ping.status_code == 200 and ping.json() == {"status": "ok"}
+            assert ping.status_code == 200 and ping.json() == {"status": "ok", "num_requests_running": 0,
+                                                               "num_requests_waiting": 0}
 
 
 def test_ping_needs_no_key_like_health_and_tokenize_does(model_dir):
