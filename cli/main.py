@@ -29,6 +29,7 @@ COMMANDS = (
     ("quantize", "quantize_cmd", "Quantize (RTN, GPTQ, AWQ, SmoothQuant, bitsandbytes) into a compressed-tensors artifact."),
     ("prune", "prune_cmd", "Prune (magnitude, Wanda, SparseGPT; unstructured, N:M) or shrink (MLP channels, layers)."),
     ("shard", "shard_cmd", "Split a model for tensor-parallel serving (--tp N): one folder per rank plus the plan."),
+    ("export", "export_cmd", "Write an artifact as a GGUF file for llama.cpp (Q4_0 / Q8_0 re-packed bit for bit)."),
     ("eval", "eval_cmd", "Perplexity (and KL vs a reference) on a text, GPTQ-style windows."),
     ("generate", "generate_cmd", "Offline generation through the serve engine (one prompt, or a resumable JSONL batch)."),
     ("profile", "profile_cmd", "Where time and memory go on the serve engine: roofline, per-layer/op, capacity plan, HTML."),
