@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo bench bench-llamacpp bench-scale-out bench-engine bench-kernels fuzz compile-check gpu-wheels clean
+.PHONY: venv test test-fast demo bench bench-llamacpp bench-scale-out peer-quality bench-engine bench-kernels fuzz compile-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -112,6 +112,13 @@ bench-llamacpp: $(STAMP) $(ART)/w4a16/llmopt.json $(ART)/w4a16e8/llmopt.json
 	$(PY) scripts/bench_llamacpp.py $(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER)) --gguf $(LLAMA_GGUF) \
 	    --llama-args "$(LLAMA_ARGS)" --run "llmopt-w4a16=$(ART)/w4a16:$(LLAMACPP_SERVE)" \
 	    --run "llmopt-w4a16-int8emb=$(ART)/w4a16e8:$(LLAMACPP_SERVE)" --out $(BENCH_OUT)/llamacpp
+
+# llmopt's GPTQ and AWQ against llm-compressor's at equal settings (scripts/peer_quality.py): llm-compressor in its
+# own virtualenv (.peer-venv, the same pinned CPU torch), the same calibration rows, every artifact scored by
+# llmopt eval on the same windows. PEER_ARGS passes options (e.g. --methods gptq --nsamples 32).
+PEER_ARGS ?=
+peer-quality: $(STAMP)
+	$(PY) scripts/peer_quality.py --out $(BENCH_OUT)/peer-quality $(PEER_ARGS)
 
 # Scale-out on this machine (scripts/bench_scale_out.py, docs/route.md): two replicas pinned to a core each behind
 # llmopt route: cache-aware vs round-robin on shared prefixes, vs least-load without; SIGKILL of a replica under
