@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -52,11 +53,9 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> f
     while time.monotonic() - start < timeout:
         if proc.poll() is not None:
             raise SystemExit(f"{url}: the process exited with {proc.returncode} before it was healthy")
-        try:
+        with contextlib.suppress(httpx.HTTPError):  # not listening yet: ask again
             if httpx.get(url + "/health", timeout=1.0).status_code == 200:
                 return time.monotonic() - start
-        except httpx.HTTPError:
-            pass
         time.sleep(0.05)
     raise SystemExit(f"{url}: not healthy after {timeout:.0f} s")
 
@@ -238,13 +237,11 @@ async def _healthy_series(url: str, until: asyncio.Event, samples: list) -> None
     """(time, {replica: healthy}) from the router's own metrics every 50 ms."""
     async with httpx.AsyncClient(timeout=2) as client:
         while not until.is_set():
-            try:
+            with contextlib.suppress(httpx.HTTPError):  # a sample lost to a busy router is only a gap
                 text = (await client.get(url + "/metrics")).text
                 state = {line.split('replica="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) == 1.0
                          for line in text.splitlines() if line.startswith("llmopt_router:replica_healthy{")}
                 samples.append((time.monotonic(), state))
-            except httpx.HTTPError:
-                pass
             await asyncio.sleep(0.05)
 
 
