@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo bench bench-llamacpp bench-scale-out peer-quality bench-engine bench-kernels fuzz compile-check gpu-wheels clean
+.PHONY: venv test test-fast demo bench bench-llamacpp bench-scale-out peer-quality bench-gguf-export bench-engine bench-kernels fuzz compile-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -119,6 +119,14 @@ bench-llamacpp: $(STAMP) $(ART)/w4a16/llmopt.json $(ART)/w4a16e8/llmopt.json
 PEER_ARGS ?=
 peer-quality: $(STAMP)
 	$(PY) scripts/peer_quality.py --out $(BENCH_OUT)/peer-quality $(PEER_ARGS)
+
+# GPTQ weights in llama.cpp (scripts/bench_gguf_export.py, docs/export.md): llama.cpp built from the
+# llama-cpp-python sdist in the benchmark's folder (about 10 minutes, once); llmopt's GPTQ and RTN W4A16 g32 exported
+# as Q4_0 against llama-quantize's Q4_0 (plain and with llama-imatrix) of the same base: llama-perplexity on the same
+# windows and llama-bench. GGUF_ARGS passes options (e.g. --nsamples 32 --chunks 16 --llama-bin DIR).
+GGUF_ARGS ?=
+bench-gguf-export: $(STAMP)
+	$(PY) scripts/bench_gguf_export.py --out $(BENCH_OUT)/gguf-export $(GGUF_ARGS)
 
 # Scale-out on this machine (scripts/bench_scale_out.py, docs/route.md): two replicas pinned to a core each behind
 # llmopt route: cache-aware vs round-robin on shared prefixes, vs least-load without; SIGKILL of a replica under

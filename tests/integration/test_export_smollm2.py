@@ -1,12 +1,15 @@
-"""`llmopt export` on the embedded SmolLM2-135M: RTN W4A16 group 32 (bf16 scales) becomes Q4_0 bit for bit, and
-the tokenizer metadata is the source GGUF's own."""
+"""`llmopt export` on the embedded SmolLM2-135M: RTN W4A16 group 32 (bf16 scales) becomes Q4_0 bit for bit, read
+back by the gguf package and by transformers (`gguf_file=`), and the tokenizer metadata is the source GGUF's own."""
 import json
+import warnings
 
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from llmopt.cli.main import main
+from llmopt.stages.model_io import load_model_dir
 from llmopt.stages.source import resolve
 from tests.stages.export.reference import artifact_weights, gguf_fields, gguf_weights
 
@@ -33,3 +36,18 @@ def test_w4a16_g32_exports_to_q4_0_bit_for_bit(smollm_bf16, tmp_path, capsys):
     mine, source = gguf_fields(reader), gguf_fields(resolve("smollm2-135m").path)
     for key in TOKENIZER_KEYS:
         assert mine[key] == source[key], key
+    del reader, theirs
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).state_dict()
+    dequantized = load_model_dir(art, dtype=torch.float32).state_dict()
+    assert set(loaded) == set(dequantized)
+    assert all(torch.equal(loaded[k], dequantized[k]) for k in dequantized)  # transformers' own dequantization
+    del loaded, dequantized
+    scores = []
+    for model in (art, path):  # the artifact in fp32, and the GGUF through its cached import
+        assert main(["eval", str(model), "--max-windows", "1", "--dtype", "fp32", "--no-store", "--json"]) == 0
+        scores.append(json.loads(capsys.readouterr().out)["perplexity"])
+    assert scores[1] == pytest.approx(scores[0], rel=1e-4)
