@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             n, length = (int(part) for part in args.awq_calib.lower().split("x"))
         except ValueError:
-            parser.error(f"--awq-calib: expected NxL, e.g. 32x512, got {args.awq_calib!r}")
+            n = length = 0
+        if n < 1 or length < 1:
+            parser.error(f"--awq-calib: expected NxL of positive integers, e.g. 32x512, got {args.awq_calib!r}")
         sizes["awq"] = (n, length)
     args.out.mkdir(parents=True, exist_ok=True)
     python = peer_python(args.peer_venv)

@@ -46,7 +46,7 @@ def test_methods_are_checked_before_anything_runs(tmp_path, capsys):
     assert "--methods" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("size", ["32", "32x", "ax512", "32x512x2"])
+@pytest.mark.parametrize("size", ["32", "32x", "ax512", "32x512x2", "0x512", "16x-1"])
 def test_a_malformed_awq_calibration_size_is_refused_before_anything_runs(tmp_path, capsys, size):
     with pytest.raises(SystemExit):
         peer_quality.main(["--awq-calib", size, "--out", str(tmp_path / "out")])
