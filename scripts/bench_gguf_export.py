@@ -26,7 +26,6 @@ files. Writes DIR/table.md and DIR/table.json and prints the table.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
@@ -40,7 +39,7 @@ from pathlib import Path
 
 LLMOPT = [sys.executable, "-m", "llmopt.cli.main"]
 TOOLS = ("llama-quantize", "llama-perplexity", "llama-bench", "llama-imatrix")
-SDIST = "llama-cpp-python"
+SDIST = "llama-cpp-python==0.3.36"  # the llama.cpp the published table was measured with
 # llama.cpp repacks Q4_0 weights for AMX where the CPU reports it; in this VM the tile instructions then crash
 # (SIGILL or SIGSEGV at tileloadd), so the runs keep weights as stored (the Makefile's LLAMA_ARGS says the same).
 NO_REPACK = ["--no-repack"]
@@ -76,7 +75,7 @@ def build_llama(out: Path, jobs: int) -> Path:
     if not (source / "CMakeLists.txt").exists():
         log(f"downloading the {SDIST} sdist")
         run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d", out])
-        sdist = sorted(glob.glob(str(out / "llama_cpp_python-*.tar.gz")))[-1]
+        sdist = out / f"llama_cpp_python-{SDIST.split('==')[1]}.tar.gz"
         with tarfile.open(sdist) as tar:
             top = tar.getnames()[0].split("/")[0]
             members = [m for m in tar.getmembers() if m.name.startswith(f"{top}/vendor/llama.cpp/")]
