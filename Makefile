@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo bench bench-llamacpp bench-scale-out peer-quality bench-gguf-export bench-engine bench-kernels fuzz compile-check gpu-wheels clean
+.PHONY: venv test test-fast demo bench bench-llamacpp bench-pp bench-scale-out peer-quality bench-gguf-export bench-engine bench-kernels fuzz compile-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -127,6 +127,13 @@ peer-quality: $(STAMP)
 GGUF_ARGS ?=
 bench-gguf-export: $(STAMP)
 	$(PY) scripts/bench_gguf_export.py --out $(BENCH_OUT)/gguf-export $(GGUF_ARGS)
+
+# Pipeline against tensor parallelism on this machine (scripts/bench_pipeline.py, docs/shard.md): smollm2-135m fp32
+# served as PP1, PP2 and TP2 (one rank per core) under the same load at concurrency 16, rotated rounds, medians;
+# then each PP2 stage's bubble from llmopt profile. PP_ARGS passes options (e.g. --rounds 5).
+PP_ARGS ?=
+bench-pp: $(STAMP) $(ART)/base/llmopt.json
+	$(PY) scripts/bench_pipeline.py $(ART)/base --out $(BENCH_OUT)/pipeline $(PP_ARGS)
 
 # Scale-out on this machine (scripts/bench_scale_out.py, docs/route.md): two replicas pinned to a core each behind
 # llmopt route: cache-aware vs round-robin on shared prefixes, vs least-load without; SIGKILL of a replica under

@@ -75,13 +75,14 @@ def run(sources: Sources = None,
                                                  "category (weights, kernel copies, KV cache, primitives).")] = D.memory,
         max_model_len: Annotated[Optional[int], _opt("--max-model-len", "--memory: as `llmopt serve` (sizes the "
                                                                         "KV cache).")] = D.max_model_len,
-        max_num_seqs: Annotated[int, _opt("--max-num-seqs", "--memory: as `llmopt serve`.")] = D.max_num_seqs,
+        max_num_seqs: Annotated[int, _opt("--max-num-seqs", "--memory, and a pipeline's profile: as `llmopt serve`.")] = D.max_num_seqs,
         kv_cache_memory: Annotated[Optional[str], _opt("--kv-cache-memory", "--memory: as `llmopt serve`.")]
         = D.kv_cache_memory,
         per_layer: Annotated[bool, _opt("--per-layer", "Print every layer's row in the terminal.")] = False) -> None:
     from llmopt.stages.profile.config import ProfileConfig
     from llmopt.stages.profile.html import check_output_path, write_report
     from llmopt.stages.profile.modes import check_sources
+    from llmopt.stages.profile.pipeline import pipeline_artifact
     from llmopt.stages.progress import StageHooks
 
     config = ProfileConfig.from_options(stage_options(locals(), OPTIONS))
@@ -89,7 +90,7 @@ def run(sources: Sources = None,
     check_output_path(json_file, "--json")
     check_output_path(html_file, "--html")
     check_sources(sources, config)
-    if config.mode != "sweep":
+    if config.mode != "sweep" or pipeline_artifact(sources[0]) is not None:  # a pipeline: its stages instead
         raise typer.Exit(_measure(sources, config, json_file, html_file))
     from llmopt.stages.profile.run import preflight, run_profile
 
@@ -112,7 +113,8 @@ def _measure(sources: list[str], config, json_file: Optional[Path], html_file: O
     from llmopt.stages.progress import StageHooks
 
     if html_file is not None:
-        raise ConfigError(f"--html is the sweep's report; --{config.mode} writes --json only")
+        what = f"--{config.mode}" if config.mode != "sweep" else "a pipeline's profile"
+        raise ConfigError(f"--html is the sweep's report; {what} writes --json only")
     if config.task == "save_model":
         report = _save_model(config)
     else:

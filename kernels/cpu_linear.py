@@ -11,6 +11,8 @@ Measured here (30 layers of SmolLM2 shapes + lm_head, weights streamed from memo
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,7 +67,7 @@ class DenseLinear(RoutedLinear):
         """Make the CPU layouts and route to them (see the class docstring); returns self."""
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) \
-                or not torch.backends.mkldnn.is_available():
+                or not torch.backends.mkldnn.is_available() or not _onednn_takes(w.dtype):
             return self
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH)
         if above_rows > 0:  # neither a GEMV nor MKL's single row: nothing but oneDNN reads the weight
@@ -164,3 +166,10 @@ def prebuild_row_buckets(model: nn.Module, max_tokens: int, max_logit_rows: int)
             module(torch.zeros(rows, w.shape[1], dtype=w.dtype))
             calls += 1
     return calls
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_takes(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of `dtype` on this CPU: bf16 needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT
+    (elsewhere its reorder raises, and F.linear's own bf16 path serves)."""
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

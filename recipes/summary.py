@@ -41,7 +41,7 @@ def made_by(spec: StageSpec) -> str:
         return f"structured {c.structured} " + (f"ratio {c.ratio}" if c.ratio else f"drop {c.drop}")
     if spec.kind == "prune":
         return f"{c.method_name} {c.pattern}"
-    return f"shard --tp {c.tp}"
+    return f"shard --tp {c.tp}" + (f" --pp {c.pp}" if c.pp > 1 else "")
 
 
 def _source_artifact(ref: str) -> Artifact | None:

@@ -127,6 +127,26 @@ class Artifact:
         """The split plan of a sharded artifact (`llmopt shard`), None for a whole model."""
         return self.manifest.get("model", {}).get("tensor_parallel")
 
+    @property
+    def pipeline_parallel(self) -> dict | None:
+        """The stage plan of an artifact sharded with `llmopt shard --pp`, None otherwise."""
+        return self.manifest.get("model", {}).get("pipeline_parallel")
+
+    @property
+    def world_size(self) -> int:
+        """How many rank processes serve it: stages times tensor-parallel ranks (1 for a whole model)."""
+        if self.pipeline_parallel:
+            return self.pipeline_parallel["world_size"]
+        return self.tensor_parallel["tp"] if self.tensor_parallel else 1
+
+    @property
+    def sharding(self) -> str | None:
+        """How a sharded artifact is split, as messages say it ("tensor parallelism (tp=2)", "pipeline
+        parallelism (pp=2, tp=1)"); None for a whole model."""
+        if self.pipeline_parallel:
+            return f"pipeline parallelism (pp={self.pipeline_parallel['pp']}, tp={self.pipeline_parallel['tp']})"
+        return f"tensor parallelism (tp={self.tensor_parallel['tp']})" if self.tensor_parallel else None
+
     def rank_files(self, rank: int) -> list[str]:
         """Rank `rank`'s safetensors files, relative to the artifact directory."""
         prefix = f"{rank_dir(rank)}/"

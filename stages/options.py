@@ -20,7 +20,7 @@ class _Required:
         return "REQUIRED"
 
 
-REQUIRED = _Required()  # the default of an option the stage cannot do without (shard's tp)
+REQUIRED = _Required()  # the default of an option the stage cannot do without
 KINDS = (bool, int, float, str, list)  # list: a list of strings (a repeatable option)
 
 

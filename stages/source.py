@@ -247,7 +247,7 @@ def load(ref: str, dtype=None, progress=None) -> Loaded:
     source = resolve(ref)
     art = as_artifact(source, progress)
     if art is not None and art.tensor_parallel:
-        raise SourceError(f"{ref} is sharded for tensor parallelism (tp={art.tensor_parallel['tp']}): serve or "
+        raise SourceError(f"{ref} is sharded for {art.sharding}: serve or "
                           f"generate it; give its parent artifact ({_parent(art)}) to this command instead")
     directory = art.path if art else source.path
     files = art.weight_files if art else None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 CORPUS = [
@@ -59,3 +60,10 @@ def write_chat_model_dir(path: Path, chat_template: str):
     tok.chat_template = chat_template
     tok.save_pretrained(path)
     return path
+
+
+# oneDNN packs bf16 weights only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere a bf16 DenseLinear
+# serves through F.linear, and the tests of its oneDNN routes do not apply.
+needs_onednn_bf16 = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                                       reason="oneDNN packs bf16 weights only with AVX-512 or AVX-NE-CONVERT")
+BF16_ROUTED = pytest.param(torch.bfloat16, marks=needs_onednn_bf16, id="bf16")

@@ -1,7 +1,6 @@
 """Every default is defined once, in the stage's config: the command line and a recipe build the same
 config from their defaults, and each command's options are exactly its stage's, named, typed and
 defaulted alike, so the two can never drift apart."""
-import dataclasses
 import inspect
 import typing
 from enum import Enum
@@ -16,7 +15,7 @@ from llmopt.stages import registry
 from llmopt.stages.bench.stage import BenchStageConfig
 from llmopt.stages.eval.config import EvalConfig
 from llmopt.stages.offline.config import SHARED, OfflineConfig
-from llmopt.stages.options import REQUIRED, Options, flag
+from llmopt.stages.options import Options, flag
 from llmopt.stages.profile.config import ProfileConfig
 from llmopt.stages.prune.config import PruneConfig
 from llmopt.stages.quantize.config import QuantizeConfig
@@ -30,8 +29,8 @@ CASES = {
                  "quantize:", QuantizeConfig()),
     "prune": (prune_cmd.run, "llmopt.stages.prune.run.run_prune", ["prune", "SRC", "-o", "OUT"], "prune:",
               PruneConfig()),
-    "shard": (shard_cmd.run, "llmopt.stages.shard.run.run_shard", ["shard", "SRC", "-o", "OUT", "--tp", "2"],
-              "shard: {tp: 2}", ShardConfig(tp=2)),
+    "shard": (shard_cmd.run, "llmopt.stages.shard.run.run_shard", ["shard", "SRC", "-o", "OUT"], "shard:",
+              ShardConfig()),
     "eval": (eval_cmd.run, "llmopt.stages.eval.run.run_eval", ["eval", "SRC"], "eval:", EvalConfig()),
     "profile": (profile_cmd.run, "llmopt.stages.profile.run.run_profile", ["profile", "SRC"], "profile:",
                 ProfileConfig()),
@@ -148,7 +147,8 @@ def _spellings(kind: str) -> dict[str, list[str]]:
     return {p.name: p.opts for p in command.params}
 
 
-def test_a_required_option_has_no_default_anywhere():
-    assert registry.stage("shard").options["tp"].default is REQUIRED
-    assert ShardConfig.__dataclass_fields__["tp"].default is dataclasses.MISSING
-    assert inspect.signature(shard_cmd.run).parameters["tp"].default is inspect.Parameter.empty
+def test_shard_needs_no_option():
+    """--tp and --pp default to 1, once, in ShardConfig: `llmopt shard SRC -o OUT` writes one rank, as --tp 1 does."""
+    assert not any(o.required for o in registry.stage("shard").options.values())
+    assert (ShardConfig().tp, ShardConfig().pp, ShardConfig().to_dict()) == (1, 1, {"tp": 1})
+    assert inspect.signature(shard_cmd.run).parameters["tp"].default == ShardConfig().tp

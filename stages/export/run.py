@@ -102,7 +102,7 @@ def _read(source_ref: str, hooks: StageHooks) -> SourceModel:
     source = resolve(str(source_ref))
     art = as_artifact(source, progress=hooks.status)
     if art is not None and art.tensor_parallel:
-        raise ConfigError(f"export: {source_ref} is sharded for tensor parallelism (tp={art.tensor_parallel['tp']}); "
+        raise ConfigError(f"export: {source_ref} is sharded for {art.sharding}; "
                           "export the artifact it was sharded from")
     directory = art.path if art else source.path
     try:

@@ -1,14 +1,15 @@
 """What `llmopt profile` measures: the sweep (run.py), or one measurement that replaces it: the memory
 soak (soak.py), one decode step's matmuls per weight scheme (matmuls.py), the engine on a synthetic
 model (synthetic.py) or, on the same synthetic shapes, the kernel speed table (kernel_speed.py) and the
-greedy check (greedy.py); the GPU check's PASS/FAIL table (acceptance.py); or where a serving process's
-memory goes (memory.py). Each returns a JSON-able
+greedy check (greedy.py); the GPU check's PASS/FAIL table (acceptance.py); where a serving process's
+memory goes (memory.py); or, for a pipeline-parallel artifact instead of the sweep, its stages' time (pipeline.py). Each returns a JSON-able
 report; `tables` renders any of them."""
 from __future__ import annotations
 
 from ..errors import ConfigError
 from ..progress import StageHooks
 from .config import ProfileConfig
+from .pipeline import pipeline_artifact
 from .tables import TableData
 
 
@@ -23,6 +24,8 @@ def check_sources(sources: list[str], config: ProfileConfig) -> None:
         raise ConfigError(f"--{mode} measures one model: give one SOURCE (got {len(sources)})")
     if mode == "sweep" and not sources:
         raise ConfigError("Missing argument 'SOURCES...': give a model source (or --synthetic SHAPE)")
+    if mode == "sweep" and len(sources) > 1 and any(map(pipeline_artifact, sources)):
+        raise ConfigError("a pipeline-parallel artifact is profiled alone (its stages, not the sweep): give one SOURCE")
     if config.device.startswith("cuda") and mode != "acceptance":
         import torch
 
@@ -44,6 +47,10 @@ def run_measurement(sources: list[str], config: ProfileConfig, hooks: StageHooks
 
     if config.task == "save_model":
         raise ConfigError("--save-model writes a model; the command does that (stages/synthetic_model.py)")
+    if config.mode == "sweep" and pipeline_artifact(sources[0]) is not None:
+        from .pipeline import run_pipeline
+
+        return run_pipeline(sources[0], config, hooks)
     with torch_threads(config.threads):
         if config.mode == "soak":
             from .soak import run_soak
@@ -73,6 +80,10 @@ def run_measurement(sources: list[str], config: ProfileConfig, hooks: StageHooks
 def tables(report: dict) -> list[TableData]:
     """Any measurement's report as titled tables (the sweep's are in tables.py)."""
     tool = report["tool"]
+    if tool.endswith("(pipeline)"):
+        from .pipeline import pipeline_tables
+
+        return pipeline_tables(report)
     if tool.endswith("--soak"):
         from .soak import soak_tables
 

@@ -181,6 +181,8 @@ def _build_tp_engine(art, config: EngineConfig, device, dtype, backend, tp_optio
     plan = art.tensor_parallel
     if config.speculative is not None and config.speculative.method == "draft":
         raise ConfigError("--speculative draft:PATH does not run with a sharded artifact; use ngram")
+    if art.pipeline_parallel:
+        return _build_pp_engine(art, config, device, dtype, backend, tp_options)
     group = RankGroup(art.path, plan["tp"], tp_options or TPOptions(), device, dtype, backend).start()
     atexit.register(group.close)
     try:
@@ -193,6 +195,42 @@ def _build_tp_engine(art, config: EngineConfig, device, dtype, backend, tp_optio
     group.runner = runner
     tokenizer = load_tokenizer(art.path)
     return LLMEngine(runner, tokenizer, config, eos_token_ids=eos_token_ids(read_config(art.path), tokenizer))
+
+
+def _build_pp_engine(art, config: EngineConfig, device, dtype, backend, tp_options) -> LLMEngine:
+    """Rank 0 of a pipeline-sharded artifact: start every rank, load stage 0 (tensor rank 0) here, size the
+    cache for the stage with the most layers (every stage allocates the same number of blocks)."""
+    from ..errors import ConfigError
+    from ..model_io import load_tokenizer
+    from ..shard.pipeline import stage_config
+    from .config import TPOptions
+    from .loader import read_config
+    from .model import spec_from_config
+    from .pp.runner import PipelineRunner
+    from .pp.runtime import load_stage_runtime, pipeline_groups
+    from .tp.launch import RankGroup
+    from .tp.runtime import max_local_kv_heads
+
+    plan, model_config = art.pipeline_parallel, read_config(art.path)
+    if config.speculative is not None:
+        raise ConfigError("--speculative does not run on a pipeline-parallel artifact yet; serve without it")
+    group = RankGroup(art.path, plan["world_size"], tp_options or TPOptions(), device, dtype, backend,
+                      kind="pipeline-parallel").start()
+    atexit.register(group.close)
+    try:
+        groups = pipeline_groups(plan)
+        runtime = load_stage_runtime(art, 0, groups, device, dtype, backend)
+        deepest = max(plan["stages"], key=lambda s: s["layers"][1] - s["layers"][0])
+        widest = dataclasses.replace(spec_from_config(stage_config(model_config, deepest)),
+                                     num_kv_heads=max_local_kv_heads(art.tensor_parallel))
+        blocks = kv_cache_plan(config, widest, runtime).num_blocks
+        runner = PipelineRunner(runtime, blocks, config.block_size, group, plan, groups)
+    except BaseException:
+        group.close()
+        raise
+    group.runner = runner
+    tokenizer = load_tokenizer(art.path)
+    return LLMEngine(runner, tokenizer, config, eos_token_ids=eos_token_ids(model_config, tokenizer))
 
 
 def eos_token_ids(model_config: dict, tokenizer) -> list[int]:

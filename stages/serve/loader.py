@@ -47,7 +47,7 @@ def locate(ref: str) -> tuple[Path, list[str]]:
     art = as_artifact(source)
     if art is not None:
         if art.tensor_parallel:
-            raise ConfigError(f"{ref} is sharded for tensor parallelism (tp={art.tensor_parallel['tp']}); "
+            raise ConfigError(f"{ref} is sharded for {art.sharding}; "
                               f"build an engine for it (llmopt serve / generate) to start its ranks")
         return art.path, art.weight_files
     return source.path, weight_files(source.path)
@@ -148,14 +148,22 @@ def build_runtime(config: dict, state: dict, device: torch.device, dtype=None,
         for attr, parts in family.projections.items():
             with scope(f"layers.{i}.{attr}"):
                 setattr(layer, attr, weights.linear([f"model.layers.{i}.{p}" for p in parts]))
-    runtime.load_state_dict(weights.rest(spec.num_layers), strict=False, assign=True)
-    with scope("embed_tokens"):  # a quantized one is unpacked from int32 words: kept too
-        runtime.embed_tokens, runtime.embed_scale = cached_layout("embedding", weights.embedding) \
-            if EMBED in weights.schemes else weights.embedding()
+    stage = config.get("llmopt_stage")  # a pipeline stage (stages/shard/pipeline.py): its own layers only
+    head = stage is None or stage["head"]
     tied = spec.tie_word_embeddings or not weights.has("lm_head")
-    with scope("lm_head"):
-        runtime.lm_head = weights.tied_lm_head(runtime.embed_tokens, runtime.embed_scale) if tied \
-            else weights.linear(["lm_head"])
+    runtime.load_state_dict(weights.rest(spec.num_layers, head), strict=False, assign=True)
+    if stage is None or stage["embed"] or (head and tied):  # a tied head reads the embedding's table
+        with scope("embed_tokens"):  # a quantized one is unpacked from int32 words: kept too
+            runtime.embed_tokens, runtime.embed_scale = cached_layout("embedding", weights.embedding) \
+                if EMBED in weights.schemes else weights.embedding()
+    else:
+        runtime.embed_tokens = torch.empty(0, spec.hidden_size, dtype=dtype, device=device)
+    if head:
+        with scope("lm_head"):
+            runtime.lm_head = weights.tied_lm_head(runtime.embed_tokens, runtime.embed_scale) if tied \
+                else weights.linear(["lm_head"])
+    else:  # the final norm lives on the last stage; this one keeps the dtype and device it reports
+        runtime.norm = torch.empty(0, dtype=dtype, device=device)
     ropes = dict.fromkeys(kind.rope for kind in spec.shape.kinds)
     runtime.rope_caches = [build_cos_sin_cache(spec.head_dim, spec.max_positions, rope.theta, rope.scaling_dict or None,
                                                device=device) for rope in ropes]
@@ -196,9 +204,10 @@ class _Weights:
         convert = t.is_floating_point() and not key.endswith("_scale")
         return t.to(device=self.device, dtype=self.dtype if convert else t.dtype)
 
-    def rest(self, num_layers: int) -> dict:
-        """Norm weights under the runtime's names; a family's norm offset (Gemma: 1 + w) added in fp32 first."""
-        out = {"norm": self.norm("model.norm.weight")}
+    def rest(self, num_layers: int, head: bool = True) -> dict:
+        """Norm weights under the runtime's names; a family's norm offset (Gemma: 1 + w) added in fp32 first.
+        head: the final norm too (a pipeline stage before the last has none)."""
+        out = {"norm": self.norm("model.norm.weight")} if head else {}
         for i in range(num_layers):
             for slot, theirs in self.family.norms.items():
                 out[f"layers.{i}.{NORM_BUFFERS[slot]}"] = self.norm(f"model.layers.{i}.{theirs}.weight")

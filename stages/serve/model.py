@@ -227,12 +227,14 @@ class Runtime(nn.Module):
         codes, scale = self.embed_tokens[token_ids], self.embed_scale[token_ids]  # [T, H], [T, H/g]
         return dequantize(codes, scale).to(self.dtype)
 
-    def forward(self, token_ids, attns, kv_caches, fused=None):
+    def forward(self, token_ids, attns, kv_caches, fused=None, hidden=None):
         """token_ids [T] -> (hidden, residual) [T, H] before the final norm. attns: the step's attention
         objects, one per KV layer group (`attentions`). kv_caches: each layer's cache [num_blocks,
         block_size, 2, Hk, D]. fused: `fused(x, attns)`, the backend's whole-model decode step
-        (`Backend.fused_decode`) bound to the cache, which replaces the layers for the steps it takes."""
-        x = self.embed(token_ids)  # [T, H]
+        (`Backend.fused_decode`) bound to the cache, which replaces the layers for the steps it takes.
+        hidden: a later pipeline stage's input [T, H], the residual stream the stage before handed on
+        (`stream`), in place of the embeddings; its first layer normalises it as layer 0 does its input."""
+        x = self.embed(token_ids) if hidden is None else hidden  # [T, H]
         out = fused(x, attns) if fused is not None else None
         if out is not None:
             return out
@@ -240,6 +242,13 @@ class Runtime(nn.Module):
         for layer, group, kv_cache in zip(self.layers, self.kv_groups.groups, kv_caches):
             x, residual = layer(x, residual, attns[group], kv_cache)  # kv_cache [blocks, block_size, 2, Hk, D]
         return x, residual
+
+    @staticmethod
+    def stream(x, residual) -> torch.Tensor:
+        """The residual stream after the last layer run, `x + residual` rounded to the dtype: what a pipeline
+        stage hands the next. The next layer's norm adds the same two and rounds first (the native and
+        torch kernels), so starting the next stage from the sum is the same arithmetic (fp32: always)."""
+        return x if residual is None else x + residual
 
     def compute_logits(self, x, residual, indices) -> torch.Tensor:
         """fp32 logits [R, vocab] of the rows `indices` only (final norm and lm_head skip the rest)."""

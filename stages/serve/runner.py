@@ -279,12 +279,17 @@ class ModelRunner:
         if bucket is not None:
             hidden, residual, rows = self.graphs.run(step, bucket)
             return self.runtime.compute_logits(hidden, residual, rows)
-        step = self._on_device(step)
+        step = self.on_device(step)
+        x, residual = self.run_layers(step, fused)
+        return self.runtime.compute_logits(x, residual, step.logits_indices)
+
+    def run_layers(self, step: StepInput, fused: bool = True, hidden: torch.Tensor | None = None):
+        """(hidden, residual) [T, H] after the runtime's layers, for a step already on the device (`on_device`).
+        hidden: a later pipeline stage's input (serve/pp), in place of the step's embeddings."""
         attns = self.runtime.attentions(self.backend, self.group_metadata(step), self.scale, self.block_size)
         decode = self.fused_decode if fused else None
-        x, residual = self.runtime(step.token_ids, attns, self.kv_caches,
-                                   None if decode is None else lambda h, attns: decode(h, attns, self.kv_cache))
-        return self.runtime.compute_logits(x, residual, step.logits_indices)
+        return self.runtime(step.token_ids, attns, self.kv_caches,
+                            None if decode is None else lambda h, attns: decode(h, attns, self.kv_cache), hidden)
 
     def group_metadata(self, step: StepInput) -> list[StepMetadata]:
         """The step's attention metadata of each layer group: its block tables and cache slots."""
@@ -296,7 +301,8 @@ class ModelRunner:
         return [StepMetadata(step.positions, step.cu_seqlens_q, step.context_lens, t, s, step.max_query_len)
                 for t, s in zip(tables, slots)]
 
-    def _on_device(self, step: StepInput) -> StepInput:
+    def on_device(self, step: StepInput) -> StepInput:
+        """The step with its tensors on the cache's device."""
         device = self.kv_cache.device
         if step.token_ids.device == device:
             return step

@@ -1,1 +1,1 @@
-"""`llmopt shard`: split an artifact for tensor-parallel serving (plan, slicing, the stage)."""
+"""`llmopt shard`: split an artifact for tensor- and pipeline-parallel serving (plans, slicing, the stage)."""

@@ -1,30 +1,46 @@
-"""The shard stage's config: how many tensor-parallel ranks (no default: the user says)."""
+"""The shard stage's config: tensor-parallel ranks per stage, pipeline stages, and optionally each stage's layers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..options import FromOptions, Option, Options
+from .pipeline import layer_ranges
 
 
 @dataclass(frozen=True)
 class ShardConfig(FromOptions):
-    """How many tensor-parallel ranks to split a model for."""
+    """How to split a model: `tp` tensor-parallel ranks in each of `pp` pipeline stages (tp 1, pp 1: one rank).
 
-    tp: int
+    `pp_layers` is the raw `--pp-layers` text ("0-9,10-19,20-29", inclusive ranges); None balances by bytes."""
+
+    tp: int = 1
+    pp: int = 1
+    pp_layers: str | None = None
 
     @classmethod
     def from_values(cls, values: dict) -> "ShardConfig":
-        """The config for the --tp value."""
-        return cls(tp=values["tp"])
+        """The config for the --tp, --pp and --pp-layers values."""
+        return cls(tp=values["tp"], pp=values["pp"], pp_layers=values["pp_layers"])
 
     def validate(self) -> None:
-        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
-            raise ConfigError(f"--tp must be a positive integer (got {self.tp!r})")
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"--{name} must be a positive integer (got {value!r})")
+        if self.pp_layers is not None:  # the syntax here; the layer count comes with the model (run_shard)
+            stages = len(layer_ranges(self.pp_layers))
+            if stages != self.pp:
+                raise ConfigError(f"--pp-layers {self.pp_layers} lists {stages} stages but --pp is {self.pp}; "
+                                  f"pass --pp {stages}")
 
     def to_dict(self) -> dict:
-        return {"tp": self.tp}
+        if self.pp == 1 and self.pp_layers is None:  # as before pipeline parallelism: old recipes' hashes hold
+            return {"tp": self.tp}
+        return {"tp": self.tp, "pp": self.pp, "pp_layers": self.pp_layers}
 
 
-OPTIONS = Options(Option("tp", int))  # required: no default
+DEFAULTS = ShardConfig()
+OPTIONS = Options(Option("tp", int, DEFAULTS.tp), Option("pp", int, DEFAULTS.pp),
+                  Option("pp_layers", str, DEFAULTS.pp_layers, optional=True))
 ShardConfig.OPTIONS = OPTIONS

@@ -10,6 +10,7 @@ and `num_blocks`, `block_size`, `max_model_len` (see `stages/serve/runner.py`).
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from .config import EngineConfig, SamplingParams, SpeculativeConfig
@@ -94,6 +95,11 @@ class LLMEngine:
         self.thread_governor = None  # CPU: set by the command (llmopt.kernels.threads.governor_for), ticked per step
         self.speculator = _speculator(self.config.speculative, proposer, getattr(runner, "max_fused_rows", None))
         self.iteration_tokens = IterationTokens()
+        self.pipeline_depth = getattr(runner, "pipeline_depth", 1)  # micro-batches a pipeline keeps in flight
+        if self.pipeline_depth > 1 and self.speculator is not None:
+            raise ValueError("speculative decoding does not run on a pipeline-parallel model yet")
+        self._in_flight: deque = deque()  # ScheduledBatches submitted and not yet collected, oldest first
+        self._busy: set[int] = set()  # id() of their sequences
         prebuild = getattr(runner, "prebuild_matmuls", None)  # CPU: every matmul shape a step can produce
         if prebuild is not None:
             prebuild(self.config.max_num_batched_tokens, self.config.seqs_per_step)
@@ -124,11 +130,15 @@ class LLMEngine:
         return None if seq is None else _output(seq, [], None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, or micro-batches still in flight (whose requests may have been aborted meanwhile)."""
+        return self.scheduler.has_unfinished() or bool(self._in_flight)
 
     # --- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch; outputs for every request that got a new token (finished or not)."""
+        """Run one batch; outputs for every request that got a new token (finished or not). A pipeline
+        (`runner.pipeline_depth` > 1) instead tops up the micro-batches in flight, then finishes the oldest."""
+        if self.pipeline_depth > 1:
+            return self._pipelined_step()
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -137,7 +147,33 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(batch, self.scheduler)
         self.iteration_tokens.observe(batch.num_tokens)
-        logits = self.runner.execute(build_step_input(batch, self.config.block_size))
+        return self._finish(batch, self.runner.execute(build_step_input(batch, self.config.block_size)))
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """vLLM's virtual engines with one scheduler: while fewer than `pipeline_depth` micro-batches are in
+        flight, schedule one of the sequences not in flight (each batch at most its share of --max-num-seqs)
+        and submit it; then wait for the oldest one's logits and finish it as `step` does."""
+        depth = self.pipeline_depth
+        share = -(-self.config.seqs_per_step // depth)
+        while len(self._in_flight) < depth:
+            batch = self.scheduler.schedule(frozenset(self._busy), share)
+            if not batch:
+                break
+            if self.thread_governor is not None:
+                self.thread_governor.tick()
+            self.iteration_tokens.observe(batch.num_tokens)
+            self.runner.submit(build_step_input(batch, self.config.block_size))
+            self._in_flight.append(batch)
+            self._busy.update(id(seq) for seq in batch.seqs)
+        if not self._in_flight:
+            return []
+        batch = self._in_flight.popleft()
+        logits = self.runner.collect()
+        self._busy.difference_update(id(seq) for seq in batch.seqs)
+        return self._finish(batch, logits)
+
+    def _finish(self, batch, logits) -> list[RequestOutput]:
+        """Sample a run batch's logits and account for it: outputs for its sequences that got tokens."""
         rows = batch.sampled_seqs  # a verify step's sequence has a row per draft, plus one
         sampled = self.sampler(logits, rows) if rows else SamplerOutput([], [])
         appended = self.scheduler.postprocess(batch, sampled.token_ids)
@@ -147,7 +183,7 @@ class LLMEngine:
                 if rows[i].is_finished:
                     self.speculator.release(rows[i])
         return [_output(rows[i], tokens, [sampled.logprobs[i]] if sampled.logprobs[i] else None)
-                for i, tokens in zip(firsts, appended)]
+                for i, tokens in zip(firsts, appended) if tokens]  # none: aborted while in flight
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.scheduler.block_manager

@@ -60,6 +60,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.finished_by_reason: Counter[str] = Counter()
         self.spec_stats = SpecStats()
+        self._busy: frozenset[int] = frozenset()
+        self._max_seqs = config.seqs_per_step
 
     def add(self, seq: Sequence) -> None:
         """Queue a checked sequence (see RequestChecker) at the back."""
@@ -76,20 +78,28 @@ class Scheduler:
         """Prompt tokens of the unfinished sequences that have no output token yet."""
         return sum(s.num_prompt_tokens for s in self.requests.values() if not s.num_output_tokens)
 
-    def schedule(self) -> ScheduledBatch:
-        """The next step's batch (empty when there is nothing to run)."""
+    def schedule(self, busy: frozenset[int] = frozenset(), max_seqs: int | None = None) -> ScheduledBatch:
+        """The next step's batch (empty when there is nothing to run).
+
+        Pipeline parallelism (serve/pp) schedules micro-batches while earlier ones are in flight: `busy` holds
+        the ids (`id(seq)`) of sequences in flight, which are neither scheduled nor preempted until their step
+        is back, and `max_seqs` caps the sequences of this batch, so that the running ones share the batches."""
         batch = ScheduledBatch()
+        self._busy, self._max_seqs = busy, self.config.seqs_per_step if max_seqs is None else max_seqs
         budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens)
         budget = self._schedule_running_prefills(batch, budget)
         self._admit_waiting(batch, budget)
         return batch
 
+    def _idle(self, seq: Sequence) -> bool:
+        return id(seq) not in self._busy
+
     def _schedule_decodes(self, batch: ScheduledBatch, budget: int) -> int:
-        queue = deque(s for s in self.running if s.num_uncomputed_tokens == 1)
-        while queue:
+        queue = deque(s for s in self.running if s.num_uncomputed_tokens == 1 and self._idle(s))
+        while queue and len(batch) < self._max_seqs:
             seq = queue.popleft()
             while not self.block_manager.can_append(seq):
-                victim = self.running[-1]
+                victim = next(s for s in reversed(self.running) if self._idle(s))  # seq itself at the latest
                 if victim in queue:
                     queue.remove(victim)
                 self._preempt(victim)
@@ -103,9 +113,9 @@ class Scheduler:
 
     def _schedule_running_prefills(self, batch: ScheduledBatch, budget: int) -> int:
         for seq in self.running:
-            if budget == 0:
+            if budget == 0 or len(batch) >= self._max_seqs:
                 break
-            if seq.num_uncomputed_tokens > 1:
+            if seq.num_uncomputed_tokens > 1 and self._idle(seq):
                 n = min(seq.num_uncomputed_tokens, budget)
                 batch.add(seq, n)
                 budget -= n
@@ -113,7 +123,8 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         # First come, first served: a head that does not fit blocks the queue (no starvation).
-        while self.waiting and budget > 0 and len(self.running) < self.config.seqs_per_step:
+        while self.waiting and budget > 0 and len(self.running) < self.config.seqs_per_step \
+                and len(batch) < self._max_seqs:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
                 break
@@ -147,6 +158,12 @@ class Scheduler:
         accepted). Sequences that end with a token are finished and freed; later tokens are dropped."""
         rows, appended = iter(sampled), []
         for seq, n, samples, drafts in zip(batch.seqs, batch.num_new_tokens, batch.samples, batch.drafts):
+            if seq.is_finished:  # aborted while its step was in flight (pipeline parallelism): nothing to keep
+                for _ in range(len(drafts) + 1 if samples else 0):
+                    next(rows)
+                if samples:
+                    appended.append([])
+                continue
             if not samples:
                 seq.num_computed_tokens += n
                 self.block_manager.commit(seq)

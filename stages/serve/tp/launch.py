@@ -1,7 +1,8 @@
 """Start a sharded artifact's ranks on this node and watch them.
 
 Node 0 runs rank 0 in this process (the engine, and the HTTP server if any) and starts its other
-local ranks as `python -m llmopt.stages.serve.tp.worker` processes; the other nodes (`--node-rank`
+local ranks as `python -m llmopt.stages.serve.tp.worker` processes (a pipeline's: `...serve.pp.worker`); the
+other nodes (`--node-rank`
 > 0) only start their workers. Ranks meet over torch.distributed's TCP rendezvous at
 `--master-addr:--master-port` (torchrun's variables). A monitor thread polls the local workers: if
 one exits while the group runs, the failure (naming the rank) goes to every registered callback,
@@ -49,9 +50,11 @@ class RankGroup:
     """This node's share of a tensor-parallel group: the worker processes, rank 0's process group."""
 
     def __init__(self, artifact_path, tp: int, options: TPOptions, device: str = "cpu", dtype=None,
-                 backend: str = "auto"):
-        """`backend`: the kernel backend's name, which every rank loads its shard with."""
+                 backend: str = "auto", kind: str = "tensor-parallel"):
+        """`tp`: the ranks of the whole group (a pipeline's stages times their tensor ranks). `backend`: the kernel
+        backend's name, which every rank loads its shard with. `kind`: how messages name the group's ranks."""
         options.validate(tp)
+        self.kind = kind
         self.path, self.tp, self.options, self.device, self.dtype = str(artifact_path), tp, options, device, dtype
         self.kernel_backend = backend
         self.port = options.master_port or free_port()
@@ -89,7 +92,8 @@ class RankGroup:
         return self
 
     def _worker_command(self, rank: int) -> list[str]:
-        cmd = [sys.executable, "-m", "llmopt.stages.serve.tp.worker", self.path, "--rank", str(rank),
+        module = "pp" if self.kind == "pipeline-parallel" else "tp"
+        cmd = [sys.executable, "-m", f"llmopt.stages.serve.{module}.worker", self.path, "--rank", str(rank),
                "--world-size", str(self.tp), "--master-addr", self.options.master_addr, "--master-port",
                str(self.port), "--device", self._rank_device(rank), "--threads", str(self.threads_per_rank()),
                "--backend", self.kernel_backend]
@@ -127,7 +131,7 @@ class RankGroup:
         while self.failure is None and time.monotonic() < deadline:
             time.sleep(0.05)
         if self.failure is None:
-            self.fail(RankFailure(f"tensor-parallel communication failed ({error}); a rank on another node "
+            self.fail(RankFailure(f"{self.kind} communication failed ({error}); a rank on another node "
                                   f"may have died"))
         return self.failure
 
@@ -163,11 +167,13 @@ class RankGroup:
                 pass
 
     def _monitor(self) -> None:
+        """A worker that exits while the group runs fails it; one that exits 0 was stopped by rank 0 (a worker
+        returns 0 only at STOP), which is how a node without rank 0 learns that the group is over."""
         while not self._closing and self.failure is None:
             for rank, p in self.workers.items():
                 code = p.poll()
-                if code is not None and not self._closing:
-                    self.fail(RankFailure(f"tensor-parallel rank {rank} (pid {p.pid}) {_describe_exit(code)}; "
+                if code is not None and code != 0 and not self._closing:
+                    self.fail(RankFailure(f"{self.kind} rank {rank} (pid {p.pid}) {_describe_exit(code)}; "
                                           f"the group cannot continue"))
                     return
             time.sleep(0.1)
@@ -189,7 +195,8 @@ def run_worker_node(ref, options: TPOptions, device: str = "cpu", dtype=None, ba
     art = sharded_artifact(ref)
     if art is None:
         raise ConfigError(f"--node-rank {options.node_rank}: {ref} is not a sharded artifact (llmopt shard --tp N)")
-    group = RankGroup(art.path, art.tensor_parallel["tp"], options, device, dtype, backend).start()
+    kind = "pipeline-parallel" if art.pipeline_parallel else "tensor-parallel"
+    group = RankGroup(art.path, art.world_size, options, device, dtype, backend, kind).start()
     try:
         return group.wait()
     finally:

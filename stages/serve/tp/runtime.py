@@ -27,11 +27,17 @@ def load_rank_runtime(art: Artifact, rank: int, group, device, dtype=None, backe
     rank_plan = plan["ranks"][rank]
     config = local_config(read_config(art.path), rank_plan, plan)
     runtime = build_runtime(config, load_dir(art.path, art.rank_files(rank)), torch.device(device), dtype, backend)
+    return split_runtime(runtime, plan, rank, group)
+
+
+def split_runtime(runtime: Runtime, plan: dict, rank: int, group) -> Runtime:
+    """Rewire a runtime built from tensor rank `rank`'s weights for its group: o_proj and down_proj
+    row-parallel, the embedding and lm_head vocab-parallel, their collectives on `group` (None: the world)."""
     for layer in runtime.layers:
         layer.o_proj = _row_parallel(layer.o_proj, group)
         layer.down = _row_parallel(layer.down, group)
     sizes = [r["vocab"][1] - r["vocab"][0] for r in plan["ranks"]]
-    runtime.tp = TensorParallel(group, rank, rank_plan["vocab"][0], sizes)
+    runtime.tp = TensorParallel(group, rank, plan["ranks"][rank]["vocab"][0], sizes)
     return runtime
 
 

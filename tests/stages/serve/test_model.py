@@ -13,6 +13,7 @@ from llmopt.stages.errors import ConfigError
 from llmopt.stages.serve.loader import load_runtime
 from llmopt.stages.serve.model import SUPPORTED_ARCHITECTURES, spec_from_config
 from llmopt.stages.serve.runner import ModelRunner
+from tests.helpers import BF16_ROUTED
 from tests.kernels.helpers import kernel_calls, kernel_names
 from tests.stages.serve.runner_steps import Sequences, hf_last_logits, save_hf
 
@@ -256,7 +257,7 @@ def test_row_buckets_are_few_and_pad_little():
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16_ROUTED])
 def test_dense_linear_on_row_buckets_matches_f_linear(dtype, backend):
     # padded rows and 512-row chunks must not change any real row
     if backend == "cpu-native" and not cpu_native.gemv_available():

@@ -161,3 +161,43 @@ def test_engine_config_validation():
     with pytest.raises(ConfigError, match="KV cache holds"):
         EngineConfig(block_size=4, max_model_len=100).resolved(num_blocks=10, model_max_len=4096)
     assert EngineConfig(block_size=4).resolved(num_blocks=10, model_max_len=4096).max_model_len == 40
+
+
+def test_pipeline_micro_batches_skip_sequences_in_flight_and_share_the_seats():
+    """serve/pp: a batch leaves out the sequences whose step is in flight and holds at most its share."""
+    s = make(max_seqs=4, budget=32)
+    for r in "abcd":
+        s.add(seq(r, 2, max_tokens=8))
+    first = s.schedule(max_seqs=2)
+    assert [q.request_id for q in first.seqs] == ["a", "b"]
+    second = s.schedule(frozenset(map(id, first.seqs)), max_seqs=2)
+    assert [q.request_id for q in second.seqs] == ["c", "d"]
+    busy = frozenset(map(id, first.seqs + second.seqs))
+    assert not s.schedule(busy, max_seqs=2)  # everything is in flight: nothing to run
+    s.postprocess(first, [7, 7])
+    third = s.schedule(frozenset(map(id, second.seqs)), max_seqs=2)
+    assert [q.request_id for q in third.seqs] == ["a", "b"] and third.num_new_tokens == [1, 1]
+
+
+def test_preemption_never_takes_a_sequence_in_flight():
+    s = make(num_blocks=3, block_size=2, max_seqs=2, budget=32)
+    a, b = seq("a", 2, max_tokens=8), seq("b", 2, max_tokens=8)
+    s.add(a)
+    s.add(b)
+    s.postprocess(s.schedule(), [7, 7])  # each holds one full block; one block is free
+    in_flight = s.schedule(frozenset({id(a)}), max_seqs=1)  # b's decode takes the free block
+    assert in_flight.seqs == [b]
+    batch = s.schedule(frozenset({id(b)}), max_seqs=1)  # a needs a block: b is in flight, so a waits itself
+    assert not batch and a.status is SequenceStatus.WAITING and b in s.running
+
+
+def test_a_sequence_aborted_in_flight_is_skipped_when_its_step_comes_back():
+    s = make()
+    a, b = seq("a", 3, max_tokens=4), seq("b", 3, max_tokens=4)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    s.abort("a")
+    assert s.postprocess(batch, [5, 6]) == [[], [6]]  # a's row is dropped, b keeps its token
+    assert a.output_token_ids == [] and b.output_token_ids == [6]
+    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks - 1

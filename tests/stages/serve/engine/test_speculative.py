@@ -3,6 +3,7 @@ as plain decoding (n-gram lookup and a draft model), stops inside an accepted ru
 import pytest
 import torch
 
+from llmopt.kernels import cpu_native
 from llmopt.stages.errors import ConfigError
 from llmopt.stages.serve.engine.config import EngineConfig, SamplingParams, SpeculativeConfig, speculative_config
 from llmopt.stages.serve.engine.engine import LLMEngine
@@ -68,6 +69,7 @@ def test_ngram_greedy_is_token_identical_and_frees_every_block(tiny, plain, k):
     assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0
 
 
+@pytest.mark.skipif(not cpu_native.gemv_available(), reason="the fused decode step needs the native GEMVs (AVX-512)")
 def test_ngram_two_sequences_share_the_fused_steps_rows(tiny, plain):
     """Decodes and drafts of a step together stay within the fused decode step's rows (fp32: 4)."""
     eng = engine(tiny, SpeculativeConfig("ngram", 4), max_num_seqs=2)
