@@ -8,7 +8,7 @@ from llmopt.kernels import W4A16Linear, W8A8Linear, cpu_native, cpu_prefill, sel
     w4a16_matmul
 from llmopt.kernels.cpu_linear import DenseLinear
 from llmopt.kernels.cpu_quant import Int4CpuWeight, Int8CpuWeight, Int8DynamicCpuWeight, fbgemm_available
-from tests.helpers import BF16_ROUTED
+from tests.helpers import BF16_ROUTED, needs_avx512_fbgemm
 from tests.kernels.helpers import kernel_names, quantize_int4, quantize_int8
 
 # The CPU kernels run on bf16 activations (and bf16 scales for int4): relative error vs the
@@ -68,8 +68,7 @@ def test_w8a16_linear(k, n, symmetric, kernel):
 
 
 @pytest.mark.skipif(not fbgemm_available(), reason="no fbgemm (non-x86 torch build)")
-@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
-                    reason="fbgemm's AVX2 kernels sum int8 pairs in saturating int16: the bound is AVX-512's")
+@needs_avx512_fbgemm
 def test_w8a8_linear_fbgemm_is_per_token():
     k, n = 576, 64
     t = quantize_int8(torch.randn(n, k))

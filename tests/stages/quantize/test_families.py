@@ -14,7 +14,7 @@ from llmopt.stages.quantize.config import QuantizeConfig
 from llmopt.stages.quantize.methods import AWQ, GPTQ, apply_fold, clip_rows, family_folds, layer_rows
 from llmopt.stages.quantize.rtn import QuantArgs
 from llmopt.stages.quantize.run import run_quantize
-from tests.helpers import CORPUS
+from tests.helpers import CORPUS, needs_avx512_fbgemm
 from tests.stages.quantize.family_models import FAMILY_NAMES, make_family_model, write_family_dirs
 
 IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 200, 17, 4, 8, 12, 40, 41, 42, 43, 44, 45, 46, 47]])
@@ -107,7 +107,8 @@ def test_awq_refuses_a_layer_it_cannot_describe():
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)
 @pytest.mark.parametrize("kw", [dict(method="rtn", group_size=16), dict(method="gptq", group_size=16),
-                                dict(method="awq", group_size=16), dict(method="smoothquant", scheme="W8A8")],
+                                dict(method="awq", group_size=16),
+                                pytest.param(dict(method="smoothquant", scheme="W8A8"), marks=needs_avx512_fbgemm)],
                          ids=lambda kw: kw["method"])
 def test_every_method_quantizes_every_layer_linear(sources, calib_text, tmp_path, name, kw):
     path, model = sources[name]

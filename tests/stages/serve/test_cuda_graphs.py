@@ -17,7 +17,7 @@ from llmopt.stages.serve.engine.config import EngineConfig, SamplingParams
 from llmopt.stages.serve.engine.engine import LLMEngine
 from llmopt.stages.serve.loader import load_runtime
 from llmopt.stages.serve.runner import ModelRunner
-from tests.helpers import write_hf_dir
+from tests.helpers import needs_row_independent_gemm, write_hf_dir
 from tests.stages.serve.runner_steps import Sequences
 
 BLOCKS, BLOCK_SIZE = 64, 4
@@ -84,7 +84,8 @@ def test_batch_sizes():
     assert graph_batch_sizes(1000)[-3:] == [240, 248, 256] and graph_batch_sizes(20, limit=10) == [1, 2, 4, 8, 10]
 
 
-@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("batch", [1, 2, pytest.param(3, marks=needs_row_independent_gemm), 4,
+                                   pytest.param(5, marks=needs_row_independent_gemm), 8])
 def test_replay_equals_eager_for_every_bucket(runtime, batch):
     """Logits and the KV cache equal eager mode's bit for bit over 8 decode steps (from lengths 3, 6, 9, ...
     each crosses a block boundary), padded buckets (3 in 4, 5 in 8) included."""
@@ -99,6 +100,7 @@ def test_replay_equals_eager_for_every_bucket(runtime, batch):
 
 
 @pytest.mark.interpreted_triton
+@needs_row_independent_gemm
 def test_triton_kernels_replay_exactly(model_dir):
     """The kernels the CUDA graphs hold (Triton's, interpreted here) take padding rows as the graphs give
     them (slot -1, context length 1): batch 3 in bucket 4, across a block boundary."""
@@ -111,6 +113,7 @@ def test_triton_kernels_replay_exactly(model_dir):
     assert torch.equal(pair.eager.kv_cache, pair.graphed.kv_cache)
 
 
+@needs_row_independent_gemm
 @pytest.mark.parametrize("staged", [False, True])
 def test_padding_rows_are_reset_when_the_batch_shrinks(runtime, staged):
     """4 decodes fill bucket 4, then 3 and 2 sequences replay it: rows left by the earlier steps are padding
@@ -246,7 +249,7 @@ def test_serve_enforce_eager_reaches_build_engine(model_dir, monkeypatch, argv, 
     assert seen["config"].enforce_eager is enforce_eager
 
 
-@pytest.mark.skipif(not cpu_native.available(), reason="the native library does not build here")
+@pytest.mark.skipif(not cpu_native.gemv_available(), reason="cpu-native needs the native library and AVX-512")
 def test_the_fused_decode_step_is_not_captured(model_dir):
     runtime = load_runtime(str(model_dir), "cpu", torch.float32, backend="cpu-native")[0]
     runner = ModelRunner(runtime, BLOCKS, BLOCK_SIZE)

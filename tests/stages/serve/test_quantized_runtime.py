@@ -26,7 +26,7 @@ from llmopt.stages.quantize.run import run_quantize
 from llmopt.stages.serve.loader import load_runtime
 from llmopt.stages.serve.model import ConcatLinear
 from llmopt.stages.serve.runner import ModelRunner
-from tests.helpers import write_hf_dir
+from tests.helpers import needs_avx512_fbgemm, write_hf_dir
 from tests.kernels.helpers import kernel_names
 from tests.stages.serve.runner_steps import Sequences, hf_last_logits
 
@@ -117,7 +117,8 @@ def test_w8a8_reference_path_matches_per_token_int8_activations(artifacts):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("name", ["w4-sym", "w4-asym", "w8-channel", "w8-group", "w8a8", "w4-emb8"])
+@pytest.mark.parametrize("name", ["w4-sym", "w4-asym", "w8-channel", "w8-group",
+                                  pytest.param("w8a8", marks=needs_avx512_fbgemm), "w4-emb8"])
 def test_cpu_fast_paths_stay_within_their_rounding_error(artifacts, name, backend):
     exact = _dequantized_hf(artifacts(name))
     emulated = _round_inputs(_dequantized_hf(artifacts(name)), "int8" if name == "w8a8" else "bf16")
