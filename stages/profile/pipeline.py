@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import time
 
-from ..errors import ConfigError
+from ..errors import ConfigError, LlmoptError
 from ..progress import StageHooks
 from .config import ProfileConfig
 from .tables import TableData
@@ -30,7 +30,7 @@ def pipeline_artifact(ref: str):
 
     try:
         art = sharded_artifact(ref)
-    except Exception:  # not a source at all: the sweep's own checks say so
+    except LlmoptError:  # not a source at all: the sweep's own checks say so
         return None
     return art if art is not None and art.pipeline_parallel else None
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 
 import torch
 
@@ -18,7 +19,7 @@ class RankFailure(LlmoptError):
     """A rank of the tensor-parallel group died or its collectives failed."""
 
 
-class RankLink:
+class RankLink(ABC):
     """Rank 0's hold on the other ranks of its group, for the runners of both kinds: one sender at a time
     (steps and heartbeats, under `_lock`), a heartbeat while idle, STOP once at close. A subclass sends a
     command to every other rank with `send_command`."""
@@ -32,8 +33,9 @@ class RankLink:
         self._closed = False
         threading.Thread(target=self._heartbeat, name="llmopt-rank-heartbeat", daemon=True).start()
 
+    @abstractmethod
     def send_command(self, command: int) -> None:
-        raise NotImplementedError
+        """Send `command` (comm.STOP, comm.NOOP) to every other rank of the group."""
 
     def watch(self, callback) -> None:
         """Call `callback(RankFailure)` (from a monitor thread) when a rank dies."""
