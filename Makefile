@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo bench bench-llamacpp bench-pp bench-scale-out peer-quality bench-gguf-export bench-engine bench-kernels fuzz compile-check gpu-wheels clean
+.PHONY: venv test test-fast demo proto bench-grpc bench bench-llamacpp bench-pp bench-scale-out peer-quality bench-gguf-export bench-engine bench-kernels fuzz compile-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -132,6 +132,12 @@ bench-gguf-export: $(STAMP)
 # served as PP1, PP2 and TP2 (one rank per core) under the same load at concurrency 16, rotated rounds, medians;
 # then each PP2 stage's bubble from llmopt profile. PP_ARGS passes options (e.g. --rounds 5).
 PP_ARGS ?=
+# gRPC against HTTP on one `llmopt serve --grpc-port` (scripts/bench_grpc.py, docs/grpc.md): median ITL and the
+# server's CPU time per output token, both protocols under the same load, alternating rounds; on a 2-layer random
+# model (the protocol's own cost) and on smollm2-135m fp32 (what a user sees).
+bench-grpc: $(STAMP) $(ART)/base/llmopt.json
+	$(PY) scripts/bench_grpc.py synthetic-tiny $(ART)/base --out $(BENCH_OUT)/grpc $(GRPC_ARGS)
+
 bench-pp: $(STAMP) $(ART)/base/llmopt.json
 	$(PY) scripts/bench_pipeline.py $(ART)/base --out $(BENCH_OUT)/pipeline $(PP_ARGS)
 
@@ -164,6 +170,11 @@ bench-engine: $(STAMP) $(foreach n,base w8a16 w4a16,$(ART)/$(n)/llmopt.json)
 bench-kernels: $(STAMP)
 	@mkdir -p $(BENCH_OUT)
 	$(LLMOPT) profile smollm2-135m --kernels --json $(BENCH_OUT)/kernels.json
+
+# The gRPC API's Python stubs (stages/grpc_api) from proto/llmopt/v1/generate.proto, with the pinned grpcio-tools;
+# a test fails while the committed stubs differ from what this writes (docs/grpc.md).
+proto: $(STAMP)
+	$(PY) scripts/gen_proto.py
 
 # The HTTP API against its own OpenAPI spec (make test runs a small bounded version): no 5xx. With
 # LLMOPT_FUZZ_EXAMPLES set, the test also runs the schemathesis CLI's phases (LLMOPT_FUZZ_MAX_TIME s).

@@ -1,5 +1,6 @@
-"""llmopt bench: load-test an OpenAI-compatible server, a running one (--url) or one started for the run (--server);
-or run sources through the engine in this process, without HTTP (--offline, in bench_offline_cmd.py)."""
+"""llmopt bench: load-test an OpenAI-compatible server, a running one (--url) or one started for the run (--server),
+over HTTP or llmopt's gRPC API (--grpc); or run sources through the engine in this process, without HTTP
+(--offline, in bench_offline_cmd.py)."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -25,12 +26,14 @@ FailOn = Annotated[Optional[str], Opt("--fail-on", help="Exit 1 if any holds, co
 def run(ctx: typer.Context,
         url: Annotated[Optional[str], Opt("--url", help="Base URL of a running server, e.g. http://127.0.0.1:8000.")] = None,
         server: Annotated[Optional[str], Opt("--server", help="Model source: start a server on it for the run.")] = None,
+        grpc: Annotated[Optional[str], Opt("--grpc", metavar="HOST:PORT|auto", help="Bench over gRPC (GenerateStream): "
+                                           "HOST:PORT of a running server's gRPC API, or auto with --server.")] = None,
         offline: Annotated[Optional[list[str]], Opt("--offline", help="Model source to run through the engine in this "
                                                     "process, no HTTP (repeatable: side by side).")] = None,
         engine: Annotated[str, Opt("--engine", help="llmopt (llmopt serve / LLMEngine) | hf (transformers baseline).")] = D.engine,
         serve_args: ServeArgs = D.serve_args,
         server_timeout: Annotated[float, Opt("--server-timeout", help="Seconds to wait for the server's /health.")] = D.server_timeout,
-        model: Annotated[Optional[str], Opt("--model", help="Model name to send (default: the first of /v1/models).")] = None,
+        model: Annotated[Optional[str], Opt("--model", help="Model name to send (default: the first the server lists).")] = None,
         endpoint: Annotated[str, Opt("--endpoint", help="completions | chat")] = D.endpoint,
         api_key: Annotated[Optional[str], Opt("--api-key", envvar="LLMOPT_API_KEY", help="Bearer token (as llmopt serve --api-key).")] = None,
         dataset: Annotated[str, Opt("--dataset", "--dataset-name", help="random | sharegpt | sharegpt:FILE | "
@@ -50,7 +53,7 @@ def run(ctx: typer.Context,
         seed: Annotated[int, Opt("--seed")] = D.seed,
         temperature: Annotated[float, Opt("--temperature")] = D.temperature,
         ignore_eos: Annotated[bool, Opt("--ignore-eos", help="Ask the server to generate exactly max_tokens.")] = D.ignore_eos,
-        timeout: Annotated[float, Opt("--timeout", help="Per-request read timeout, seconds.")] = D.timeout,
+        timeout: Annotated[float, Opt("--timeout", help="Per-request read timeout, seconds (gRPC: each call's deadline).")] = D.timeout,
         slo: Annotated[Optional[str], Opt("--slo", help="Goodput SLOs: 'ttft_ms=500,tpot_ms=50,e2e_ms=3000'.")] = D.slo,
         goodput: Annotated[Optional[list[str]], Opt("--goodput", help="vLLM's spelling of --slo: KEY:MS with KEY "
                                                     "ttft, tpot or e2el (repeatable).")] = None,
@@ -76,20 +79,17 @@ def run(ctx: typer.Context,
         return
     from llmopt.stages.bench.config import goodput_as_slo
     from llmopt.stages.bench.dataset import dataset_spec
-    from llmopt.stages.bench.stage import BenchStageConfig
+    from llmopt.stages.bench.stage import BenchStageConfig, check_target
     from llmopt.stages.bench.run import BenchHooks, bench_source, load_bench_requests
-    from llmopt.stages.errors import ConfigError
 
     from .bench_offline_cmd import check_mode, run_offline
 
     check_mode(ctx, offline=bool(offline))
     if offline:
         raise typer.Exit(run_offline(offline, stage_options(locals(), OFFLINE_OPTIONS), json, quiet))
-    if (url is None) == (server is None):
-        raise ConfigError("give --url URL of a running server, or --server SOURCE to start one "
-                          "(or --offline SOURCE: the engine in this process)")
+    check_target(url, grpc, server)
     dataset, slo = dataset_spec(dataset, dataset_path), goodput_as_slo(goodput, slo)  # vLLM's spellings
-    config = BenchStageConfig.from_options(stage_options(locals(), OPTIONS)).aimed_at(url, model, api_key)
+    config = BenchStageConfig.from_options(stage_options(locals(), OPTIONS)).aimed_at(url, model, api_key, grpc)
     with err.status(f"loading tokenizer {tokenizer}") if tokenizer else nullcontext():
         requests = load_bench_requests(config)
     hooks = BenchHooks(status=note, progress=lambda total: bench_view.live_progress(total, quiet))

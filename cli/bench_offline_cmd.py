@@ -15,7 +15,7 @@ from llmopt.stages.options import flag
 from . import bench_view
 from .ui import note
 
-ONLINE_ONLY = ("url", "server", "model", "api_key", "plot", *(n for n in OPTIONS if n not in SHARED))
+ONLINE_ONLY = ("url", "server", "grpc", "model", "api_key", "plot", *(n for n in OPTIONS if n not in SHARED))
 OFFLINE_ONLY = tuple(n for n in OFFLINE_OPTIONS if n not in SHARED)
 
 
@@ -27,7 +27,7 @@ def check_mode(ctx: typer.Context, offline: bool) -> None:
     names = ONLINE_ONLY if offline else OFFLINE_ONLY
     # typer's click names the source of each value; only what was typed counts (not $LLMOPT_API_KEY)
     given = [n for n in names if getattr(ctx.get_parameter_source(n), "name", None) == "COMMANDLINE"]
-    if offline and {"url", "server"} & set(given):
+    if offline and {"url", "server", "grpc"} & set(given):
         raise ConfigError("give --offline SOURCE (the engine in this process) or --url / --server, not both")
     if given and offline:
         raise ConfigError(f"{flag(given[0])} is for runs against a server (--url, --server); --offline runs the "

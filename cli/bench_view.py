@@ -35,8 +35,8 @@ def live_progress(total: int, quiet: bool = False):
 
 
 def render_report(report: dict) -> None:
-    out.print(f"[bold]bench[/bold] {report.get('base_url')}{report.get('endpoint')}, model "
-              f"{report.get('model_id') or '(server default)'}, {report.get('dataset')}", highlight=False)
+    out.print(f"[bold]bench[/bold] {_target(report)}, model {report.get('model_id') or '(server default)'}, "
+              f"{report.get('dataset')}", highlight=False)
     summary = Table(show_header=False)
     summary.add_column("metric")
     summary.add_column("value", justify="right")
@@ -49,6 +49,14 @@ def render_report(report: dict) -> None:
     for key, label in LATENCY_ROWS.items():
         latency.add_row(label, *(_num(report.get(f"{stat}_{key}_ms")) for stat in ("mean", "median", "p90", "p99")))
     out.print(latency)
+
+
+def _target(report: dict) -> str:
+    """Where the requests went, and how: `http://HOST:PORT/v1/completions over HTTP`, or over gRPC the
+    GenerateStream call with the fields of that endpoint."""
+    if report.get("protocol") == "grpc":
+        return f"{report.get('base_url')} GenerateStream ({report.get('endpoint')} fields) over gRPC"
+    return f"{report.get('base_url')}{report.get('endpoint')} over HTTP"
 
 
 def _summary_rows(report: dict) -> list[tuple[str, str]]:

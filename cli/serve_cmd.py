@@ -22,6 +22,9 @@ def run(ctx: typer.Context, source: Source,
                                               "long option names as keys; the command line wins.")] = None,
         host: Annotated[str, Opt("--host", help="Address to bind (loopback unless you open it).")] = S.host,
         port: Annotated[int, Opt("--port", min=0, max=65535)] = S.port,
+        grpc_port: Annotated[Optional[int], Opt("--grpc-port", min=0, max=65535, help="Also serve the gRPC API "
+                                                "(llmopt.v1.Generation, health, reflection) on this port "
+                                                "(docs/grpc.md).")] = S.grpc_port,
         api_key: Annotated[Optional[str], Opt("--api-key", envvar="LLMOPT_API_KEY", help="Require "
                                               "'Authorization: Bearer KEY' (all but /health).")] = S.api_key,
         api_key_file: Annotated[Optional[str], Opt("--api-key-file", help="Read the key from this file (kept out "
@@ -143,8 +146,12 @@ def _serve(args: dict, collecting: bool) -> None:
         startup.on_ready(collect_again)
     # Every import before the load, none beside it (startup.py says why).
     from llmopt.stages.serve.http.server import serve
+    services = []
+    if config.server.grpc_port is not None:
+        from llmopt.stages.serve.rpc import start_grpc
+        services.append(start_grpc)
     startup.mark("imports")
-    serve(config.server, load, startup=startup)
+    serve(config.server, load, startup=startup, services=services)
 
 
 def _with_config_file(args: dict, options: dict) -> dict:

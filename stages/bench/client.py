@@ -6,12 +6,16 @@ Output tokens come from the server's `usage` when it reports it (we ask with
 `stream_options.include_usage`), else from the number of text events. A stream that ends with a
 finish reason but no text (the model stopped at once) is a completed request of 0 output tokens,
 with no TTFT; one with neither failed.
+
+`http_session` is the HTTP side of a run (grpc_client.py has the gRPC side): one client for every request,
+and the model to send.
 """
 from __future__ import annotations
 
 import json
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import httpx
 
@@ -28,7 +32,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # seconds between token arrivals
     e2e: float | None = None  # seconds from send to the end of the stream
     start: float = 0.0  # send time, seconds after the bench started
-    error: str | None = None  # the failure's kind: "HTTP 503", "connect error", "timeout", ...
+    error: str | None = None  # the failure's kind: "HTTP 503", "connect error", "timeout", "gRPC UNAVAILABLE", ...
     detail: str = ""
 
     @property
@@ -40,13 +44,37 @@ class RequestResult:
 
 
 @dataclass
-class _Stream:
-    """What one response stream has delivered so far."""
+class Stream:
+    """What one response stream has delivered so far (an HTTP event stream or a gRPC one)."""
 
     arrivals: list[float] = field(default_factory=list)
-    usage: dict = field(default_factory=dict)
+    usage: dict = field(default_factory=dict)  # prompt_tokens and completion_tokens, when the server says
     error: str | None = None
-    finished: bool = False  # an event carried a finish_reason
+    finished: bool = False  # a message carried a finish reason
+
+    def result(self, result: RequestResult, start: float, end: float) -> RequestResult:
+        """`result` completed from what arrived: the timings, the token counts, or why it failed."""
+        if self.error:
+            return failed(result, "bad response", self.error)
+        if not self.arrivals and not self.finished:
+            return failed(result, "no tokens", "the stream ended without any text or finish reason")
+        times = self.arrivals
+        result.ok = True
+        result.ttft = times[0] - start if times else None  # no token: no time to one
+        result.itl = [b - a for a, b in zip(times, times[1:])]
+        result.e2e = end - start
+        result.output_tokens = int(self.usage.get("completion_tokens") or len(times))
+        if self.usage.get("prompt_tokens"):
+            result.prompt_len = int(self.usage["prompt_tokens"])
+        return result
+
+
+@dataclass(frozen=True)
+class Session:
+    """One run's connection to the server, either protocol: the model it sends and how to send a request."""
+
+    model: str | None
+    send: Callable[[BenchRequest, float], Awaitable[RequestResult]]  # (request, t0) -> its timed result
 
 
 class Api:
@@ -87,23 +115,23 @@ async def send(client: httpx.AsyncClient, api: Api, request: BenchRequest, clock
     """Send one request and time it; failures are returned (with their kind), never raised."""
     start = clock()
     result = RequestResult(ok=False, prompt_len=request.prompt_len, start=start - t0)
-    stream = _Stream()
+    stream = Stream()
     try:
         async with client.stream("POST", api.url, json=api.body(request), headers=api.headers) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode("utf-8", "replace")
-                return _fail(result, f"HTTP {response.status_code}", body)
+                return failed(result, f"HTTP {response.status_code}", body)
             await _read_events(response, api, clock, stream)
     except httpx.ConnectError as e:
-        return _fail(result, "connect error", str(e))
+        return failed(result, "connect error", str(e))
     except httpx.TimeoutException as e:
-        return _fail(result, "timeout", str(e) or type(e).__name__)
+        return failed(result, "timeout", str(e) or type(e).__name__)
     except httpx.HTTPError as e:
-        return _fail(result, "stream error", f"{type(e).__name__}: {e}")
-    return _finish(result, stream, start, clock())
+        return failed(result, "stream error", f"{type(e).__name__}: {e}")
+    return stream.result(result, start, clock())
 
 
-async def _read_events(response: httpx.Response, api: Api, clock: Callable[[], float], stream: _Stream) -> None:
+async def _read_events(response: httpx.Response, api: Api, clock: Callable[[], float], stream: Stream) -> None:
     async for line in response.aiter_lines():
         now = clock()
         if not line.startswith("data:"):
@@ -127,22 +155,27 @@ async def _read_events(response: httpx.Response, api: Api, clock: Callable[[], f
             stream.usage = event["usage"]
 
 
-def _finish(result: RequestResult, stream: _Stream, start: float, end: float) -> RequestResult:
-    if stream.error:
-        return _fail(result, "bad response", stream.error)
-    if not stream.arrivals and not stream.finished:
-        return _fail(result, "no tokens", "the stream ended without any text or finish reason")
-    times = stream.arrivals
-    result.ok = True
-    result.ttft = times[0] - start if times else None  # no token: no time to one
-    result.itl = [b - a for a, b in zip(times, times[1:])]
-    result.e2e = end - start
-    result.output_tokens = int(stream.usage.get("completion_tokens") or len(times))
-    if stream.usage.get("prompt_tokens"):
-        result.prompt_len = int(stream.usage["prompt_tokens"])
-    return result
-
-
-def _fail(result: RequestResult, kind: str, detail: str) -> RequestResult:
+def failed(result: RequestResult, kind: str, detail: str) -> RequestResult:
+    """`result` marked failed, of `kind` ("HTTP 503", "gRPC UNAVAILABLE", ...), with the detail on one line."""
     result.ok, result.error, result.detail = False, kind, " ".join(detail.split())[:300]
     return result
+
+
+@asynccontextmanager
+async def http_session(config: BenchConfig, clock: Callable[[], float],
+                       transport: httpx.AsyncBaseTransport | None = None) -> AsyncIterator[Session]:
+    """One HTTP client for the run (a connection per concurrent request), with the model to send."""
+    timeout = httpx.Timeout(config.timeout_s, connect=10.0, pool=None)
+    limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency)
+    async with httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits) as client:
+        api = Api(config, config.model or await discover_model(client, config.url))
+        yield Session(api.model, lambda request, t0: send(client, api, request, clock, t0))
+
+
+async def discover_model(client: httpx.AsyncClient, base_url: str) -> str | None:
+    """The first model GET /v1/models lists; None when the server has no such route or is down."""
+    try:
+        response = await client.get(base_url + "/v1/models", timeout=10.0)
+        return str(response.json()["data"][0]["id"]) if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return None

@@ -1,4 +1,4 @@
-"""The bench's configuration and the parsing of what users type (--request-rate, --slo, --url)."""
+"""The bench's configuration and the parsing of what users type (--request-rate, --slo, --url, --grpc)."""
 from __future__ import annotations
 
 import math
@@ -6,8 +6,11 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError
+from ..grpc_api import SERVICE
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+GRPC_AUTO = "auto"  # --grpc auto: bench over the gRPC port of the server the bench starts
+GRPC_METHOD = f"/{SERVICE}/GenerateStream"  # the call each request makes over gRPC
 SLO_KEYS = {"ttft_ms": "ttft_ms", "tpot_ms": "tpot_ms", "e2e_ms": "e2el_ms", "e2el_ms": "e2el_ms"}
 
 
@@ -16,8 +19,11 @@ class BenchConfig:
     """How to drive the server: where, which endpoint, how fast, and what counts as good."""
 
     url: str | None = None  # the server's base URL; None until known (a bench stage starts its server first)
+    # HOST:PORT of the server's gRPC API: requests go there (GenerateStream) instead of over HTTP; "auto" until
+    # the bench stage has started its server with a gRPC port; None: HTTP.
+    grpc: str | None = None
     endpoint: str = "completions"
-    model: str | None = None  # None: ask GET /v1/models, else send no model field
+    model: str | None = None  # None: the first the server lists (GET /v1/models or ListModels), else none is sent
     api_key: str | None = None
     request_rate: float = math.inf  # requests per second; inf sends them all at once
     burstiness: float = 1.0  # gamma shape of the inter-arrival times; 1 is a Poisson process
@@ -40,14 +46,30 @@ class BenchConfig:
             raise ConfigError(f"--max-concurrency {self.max_concurrency}: give at least 1")
         if self.warmup < 0 or self.timeout_s <= 0:
             raise ConfigError("--warmup must be >= 0 and --timeout > 0")
+        if self.grpc:
+            normalize_grpc_target(self.grpc)
+
+    @property
+    def protocol(self) -> str:
+        """How requests travel: "grpc" or "http"."""
+        return "grpc" if self.grpc else "http"
 
     @property
     def api_url(self) -> str:
         return self.url + ENDPOINTS[self.endpoint]
 
+    @property
+    def target(self) -> str:
+        """Where each request goes: the endpoint's URL, or the gRPC method at grpc://HOST:PORT."""
+        return f"grpc://{self.grpc}{GRPC_METHOD}" if self.grpc else self.api_url
+
     def describe(self) -> dict:
-        """The run's settings as the report stores them (vLLM writes an infinite rate as "inf")."""
-        return {"base_url": self.url, "endpoint": ENDPOINTS[self.endpoint], "model_id": self.model,
+        """The run's settings as the report stores them (vLLM writes an infinite rate as "inf"). Over gRPC the
+        base URL is grpc://HOST:PORT and `endpoint` still names the HTTP endpoint whose fields the requests
+        carry (a text prompt or one chat message), so reports of both protocols compare."""
+        base_url = f"grpc://{self.grpc}" if self.grpc else self.url
+        return {"protocol": self.protocol, "base_url": base_url, "endpoint": ENDPOINTS[self.endpoint],
+                "model_id": self.model,
                 "request_rate": "inf" if math.isinf(self.request_rate) else self.request_rate,
                 "burstiness": self.burstiness, "max_concurrency": self.max_concurrency,
                 "warmup": self.warmup, "seed": self.seed, "temperature": self.temperature,
@@ -101,6 +123,20 @@ def normalize_url(url: str) -> str:
         if base.endswith(suffix):
             return base[: -len(suffix)]
     return base
+
+
+def normalize_grpc_target(target: str) -> str:
+    """--grpc's value: a gRPC server's HOST:PORT (a leading grpc:// is dropped; an IPv6 host goes in brackets),
+    or "auto"."""
+    text = target.strip().removeprefix("grpc://").rstrip("/")
+    if text == GRPC_AUTO:
+        return GRPC_AUTO
+    host, sep, port = text.rpartition(":")
+    bare_ipv6 = ":" in host and not (host.startswith("[") and host.endswith("]"))
+    if not sep or not host or bare_ipv6 or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"--grpc {target!r}: give HOST:PORT of the server's gRPC API with a port in 1..65535, "
+                          f"e.g. 127.0.0.1:50051 (or --grpc auto with --server)")
+    return f"{host}:{int(port)}"
 
 
 def _items(text: str | None) -> list[str]:

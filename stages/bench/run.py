@@ -10,11 +10,12 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Callable, ContextManager
 
+from .config import GRPC_AUTO
 from .dataset import BenchRequest, load_requests, load_tokenizer
 from .gate import broken_bounds
 from .report import build_report
 from .runner import run_bench
-from .server import running_server
+from .server import ServerSpec, free_port, running_server
 from .stage import BenchStageConfig
 
 
@@ -60,17 +61,23 @@ def load_bench_requests(config: BenchStageConfig) -> list[BenchRequest]:
     return load_requests(config.dataset, load_tokenizer(tokenizer) if tokenizer else None)
 
 
+def _server_for(config: BenchStageConfig, source: str) -> ServerSpec:
+    """The server to start on `source`: with a gRPC port of its own when the load goes over gRPC (--grpc auto)."""
+    grpc_port = free_port(config.server.host) if config.load.grpc == GRPC_AUTO else None
+    return replace(config.server, source=source, grpc_port=grpc_port)
+
+
 def bench_source(config: BenchStageConfig, requests: list[BenchRequest], source: str | None = None,
                  hooks: BenchHooks | None = None) -> BenchOutcome:
-    """Drive `requests` at a server started on `source` for the run (stopped after it), or, without a
-    source, at the running one of `config.load.url`. An interruption ends the run early: the report is
-    partial and says so (`interrupted`)."""
+    """Drive `requests` at a server started on `source` for the run (stopped after it; over its gRPC port
+    with `--grpc auto`), or, without a source, at the running one of `config.load.url` (or `.grpc`). An
+    interruption ends the run early: the report is partial and says so (`interrupted`)."""
     hooks = hooks or BenchHooks()
-    server = replace(config.server, source=source) if source else None
+    server = _server_for(config, source) if source else None
     stats: dict = {}  # the started server's ready_s and peak_rss_bytes
     with running_server(server, hooks.status, stats) if server else nullcontext(config.load.url) as url:
-        load = replace(config.load, url=url)
-        hooks.status(f"{len(requests)} requests to {load.api_url}, rate {load.describe()['request_rate']}, "
+        load = replace(config.load, url=url, grpc=server.grpc_target if server else config.load.grpc)
+        hooks.status(f"{len(requests)} requests to {load.target}, rate {load.describe()['request_rate']}, "
                      f"max concurrency {load.max_concurrency or 'unlimited'}")
         with hooks.progress(len(requests)) as on_result:
             run = run_bench(load, requests, on_result=on_result)

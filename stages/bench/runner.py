@@ -1,5 +1,8 @@
 """Drive the load: warm-up, arrivals (Poisson or gamma), a concurrency cap, and results as they finish.
 
+The load is the same over either protocol: the run opens one session (client.http_session, or
+grpc_client.grpc_session with --grpc) and sends every request, warm-up included, through it.
+
 An interruption (Ctrl-C, SIGTERM) ends the run early and returns what finished so far, marked
 `interrupted`, so the caller can still report it.
 """
@@ -10,13 +13,13 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import AsyncContextManager, Callable
 
 import httpx
 
 from ..errors import ConfigError
-from .client import Api, RequestResult, send
-from .config import BenchConfig
+from .client import RequestResult, Session, http_session
+from .config import GRPC_AUTO, BenchConfig
 from .dataset import BenchRequest
 
 WARMUP_MAX_TOKENS = 16
@@ -61,10 +64,12 @@ def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[f
 
 def run_bench(config: BenchConfig, requests: list[BenchRequest], on_result: OnResult | None = None,
               transport: httpx.AsyncBaseTransport | None = None, clock: Clock | None = None) -> BenchRun:
-    """Send `requests` to the server in `config` and time each; returns even when interrupted."""
+    """Send `requests` to the server in `config` (over gRPC when `config.grpc` is set, else HTTP, where
+    `transport` can stand in for the network) and time each; returns even when interrupted."""
     config.validate()
-    if not config.url:
-        raise ConfigError("no server to bench: give --url URL of a running server, or --server SOURCE")
+    if not (config.url or config.grpc) or config.grpc == GRPC_AUTO:
+        raise ConfigError("no server to bench: give --url URL (or --grpc HOST:PORT) of a running server, "
+                          "or --server SOURCE")
     clock = clock or Clock()
     run = BenchRun(planned=len(requests))
     started: list[float] = []
@@ -98,22 +103,27 @@ def _cancel_all(loop: asyncio.AbstractEventLoop, main: asyncio.Task) -> None:
         main.exception()  # retrieved: no "exception was never retrieved" at exit
 
 
+def _session(config: BenchConfig, transport, clock: Clock) -> AsyncContextManager[Session]:
+    if config.grpc:
+        from .grpc_client import grpc_session  # here: grpc loads only for a run over gRPC
+
+        return grpc_session(config, clock.now)
+    return http_session(config, clock.now, transport)
+
+
 async def _main(config: BenchConfig, requests: list[BenchRequest], run: BenchRun, started: list[float],
                 on_result: OnResult | None, transport, clock: Clock) -> None:
-    timeout = httpx.Timeout(config.timeout_s, connect=10.0, pool=None)
-    limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency)
-    async with httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits) as client:
-        run.model = config.model or await discover_model(client, config.url)
-        api = Api(config, run.model)
-        await _warmup(client, api, requests, config.warmup, run, clock)
+    async with _session(config, transport, clock) as session:
+        run.model = session.model
+        await _warmup(session, requests, config.warmup, run)
         gate = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
 
         async def one(request: BenchRequest) -> None:
             if gate is None:
-                result = await send(client, api, request, clock.now, started[0])
+                result = await session.send(request, started[0])
             else:
                 async with gate:
-                    result = await send(client, api, request, clock.now, started[0])
+                    result = await session.send(request, started[0])
             run.results.append(result)
             if on_result:
                 on_result(result, len(run.results), run.planned)
@@ -130,21 +140,12 @@ async def _main(config: BenchConfig, requests: list[BenchRequest], run: BenchRun
         run.duration = clock.now() - started[0]
 
 
-async def discover_model(client: httpx.AsyncClient, base_url: str) -> str | None:
-    """The first model GET /v1/models lists; None when the server has no such route or is down."""
-    try:
-        response = await client.get(base_url + "/v1/models", timeout=10.0)
-        return str(response.json()["data"][0]["id"]) if response.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        return None
-
-
-async def _warmup(client, api: Api, requests: list[BenchRequest], count: int, run: BenchRun, clock: Clock) -> None:
+async def _warmup(session: Session, requests: list[BenchRequest], count: int, run: BenchRun) -> None:
     """A few untimed requests first (short replies), so start-up costs stay out of the numbers."""
     for i in range(min(count, len(requests)) if requests else 0):
         request = requests[i]
         short = BenchRequest(request.prompt, request.prompt_len, min(request.output_len, WARMUP_MAX_TOKENS))
-        result = await send(client, api, short, clock.now)
+        result = await session.send(short, 0.0)
         if not result.ok:
             run.warmup_failed += 1
             run.warmup_error = f"{result.error}: {result.detail}"

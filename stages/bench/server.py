@@ -5,7 +5,8 @@ The engine is `llmopt serve` (default) or, for baselines, the plain-transformers
 still imports nothing of the engine) or llama.cpp's server (`--engine llama-server`: the binary named by
 `$LLAMA_SERVER`, else `llama-server` on PATH, on a GGUF file or a GGUF alias such as smollm2-135m; its own
 options go in `--serve-args`). Its output goes to a log file whose last lines explain a server that dies or
-never becomes healthy.
+never becomes healthy. With a gRPC port (`--grpc auto`), `llmopt serve` gets `--grpc-port` on a second free
+port, and the server is ready once /health answers and that port answers a gRPC call.
 
 What a person running a server notices is measured on the way: seconds from the start to the first
 `/health` 200 (`ready_s`) and the process's peak resident memory (`peak_rss_bytes`, the kernel's VmHWM,
@@ -47,12 +48,21 @@ class ServerSpec:
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 15.0
     host: str = "127.0.0.1"
+    grpc_port: int | None = None  # also serve the gRPC API on this port (llmopt serve --grpc-port)
 
     def validate(self) -> None:
         if self.engine not in ENGINES:
             raise ConfigError(f"--engine {self.engine}: use llmopt, hf or llama-server")
         if self.startup_timeout_s <= 0:
             raise ConfigError("--server-timeout must be positive")
+        if self.grpc_port is not None and self.engine != "llmopt":
+            raise ConfigError(f"--grpc auto: only --engine llmopt serves gRPC; bench --engine {self.engine} "
+                              "over HTTP (without --grpc)")
+
+    @property
+    def grpc_target(self) -> str | None:
+        """HOST:PORT of the server's gRPC API; None when it serves none."""
+        return None if self.grpc_port is None else f"{self.host}:{self.grpc_port}"
 
     def command(self, port: int) -> list[str]:
         if self.engine == "llama-server":
@@ -64,6 +74,8 @@ class ServerSpec:
             # Nothing balances load onto a server bench started itself: no grace window when it stops
             # (given first, so --serve-args can still set one).
             head = [sys.executable, "-m", "llmopt.cli.main", "serve", self.source, "--drain-grace", "0"]
+            if self.grpc_port is not None:
+                head += ["--grpc-port", str(self.grpc_port)]
         return [*head, "--port", str(port), *self.args]
 
     def describe(self) -> dict:
@@ -132,8 +144,12 @@ def running_server(spec: ServerSpec, status: Callable[[str], None] = lambda mess
             try:
                 url = f"http://{spec.host}:{port}"
                 wait_healthy(proc, url, spec.startup_timeout_s, log_path, spec.engine)
+                if spec.grpc_target:
+                    left = spec.startup_timeout_s - (time.monotonic() - started)
+                    wait_grpc(proc, spec.grpc_target, left, log_path)
                 stats["ready_s"] = round(time.monotonic() - started, 3)
-                status(f"server ready at {url} (pid {proc.pid}) after {stats['ready_s']:.2f} s")
+                grpc_note = f", gRPC at {spec.grpc_target}" if spec.grpc_target else ""
+                status(f"server ready at {url}{grpc_note} (pid {proc.pid}) after {stats['ready_s']:.2f} s")
                 yield url
             finally:
                 stats["peak_rss_bytes"] = peak_rss_bytes(proc.pid)
@@ -144,21 +160,52 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, log_path: P
     """Poll GET /health until it answers 200; fail early, with the log's tail, if the process exits."""
     import httpx  # here: the bench's options (ServerSpec among them) are read by `llmopt --help`
 
-    deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            code = proc.poll()
-            if code is not None:
-                raise ServerError(f"the {name} server exited with code {code} before answering /health; "
-                                  f"last lines of its output:\n{tail(log_path)}")
+        def healthy() -> bool:
             try:
-                if client.get(url + "/health").status_code == 200:
-                    return
+                return client.get(url + "/health").status_code == 200
             except httpx.HTTPError:
-                pass  # not listening yet
-            time.sleep(0.02)  # finely: the wait is the start-up time the report gives
-    raise ServerError(f"the {name} server did not answer /health within {timeout_s:g} s (raise --server-timeout); "
-                      f"last lines of its output:\n{tail(log_path)}")
+                return False  # not listening yet
+
+        _poll(proc, healthy, timeout_s, log_path, f"the {name} server", "answering /health",
+              f"did not answer /health within {timeout_s:g} s (raise --server-timeout)")
+
+
+def wait_grpc(proc: subprocess.Popen, target: str, timeout_s: float, log_path: Path) -> None:
+    """Call ListModels on the server's gRPC port until it answers (any status but UNAVAILABLE or a timeout: a
+    refused key is an answer too); fail early, with the log's tail, if the process exits."""
+    import grpc  # here: only a server started with a gRPC port needs it
+
+    from ..grpc_api import generate_pb2, generate_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        list_models = generate_pb2_grpc.GenerationStub(channel).ListModels
+
+        def answers() -> bool:
+            try:
+                list_models(generate_pb2.ListModelsRequest(), timeout=1.0)
+            except grpc.RpcError as e:
+                return e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            return True
+
+        _poll(proc, answers, max(timeout_s, 1.0), log_path, "the llmopt server", f"its gRPC port {target} answered",
+              f"did not answer on its gRPC port {target} within the --server-timeout")
+
+
+def _poll(proc: subprocess.Popen, ready: Callable[[], bool], timeout_s: float, log_path: Path, who: str,
+          waiting_for: str, too_slow: str) -> None:
+    """Call `ready()` every 20 ms until it is true; ServerError with the log's tail if the process exits first
+    (`who` exited ... before `waiting_for`) or `timeout_s` passes (`who` `too_slow`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = proc.poll()
+        if code is not None:
+            raise ServerError(f"{who} exited with code {code} before {waiting_for}; last lines of its output:\n"
+                              f"{tail(log_path)}")
+        if ready():
+            return
+        time.sleep(0.02)  # finely: the wait is the start-up time the report gives
+    raise ServerError(f"{who} {too_slow}; last lines of its output:\n{tail(log_path)}")
 
 
 def stop(proc: subprocess.Popen, timeout_s: float) -> int | None:

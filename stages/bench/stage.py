@@ -7,8 +7,9 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field, replace
 
+from ..errors import ConfigError
 from ..options import FromOptions, Option, Options
-from .config import BenchConfig, normalize_url, parse_rate, parse_slo
+from .config import GRPC_AUTO, BenchConfig, normalize_grpc_target, normalize_url, parse_rate, parse_slo
 from .dataset import DatasetConfig
 from .server import ServerSpec
 
@@ -46,10 +47,32 @@ class BenchStageConfig(FromOptions):
         self.dataset.validate()
         self.server.validate()
 
-    def aimed_at(self, url: str | None, model: str | None = None, api_key: str | None = None) -> "BenchStageConfig":
-        """This config against a running server (`url`, normalized), with the model and key to send."""
-        load = replace(self.load, url=normalize_url(url) if url else None, model=model, api_key=api_key)
+    def aimed_at(self, url: str | None, model: str | None = None, api_key: str | None = None,
+                 grpc: str | None = None) -> "BenchStageConfig":
+        """This config against a running server (`url`, or `grpc` HOST:PORT for gRPC; normalized), or, with
+        `grpc` "auto", over gRPC to the server it starts; with the model and key to send."""
+        load = replace(self.load, url=normalize_url(url) if url else None,
+                       grpc=normalize_grpc_target(grpc) if grpc else None, model=model, api_key=api_key)
         return replace(self, load=load)
+
+
+def check_target(url: str | None, grpc: str | None, server: str | None) -> None:
+    """One server per run: --url or --grpc HOST:PORT names a running one, --server SOURCE starts one (benched
+    over gRPC with --grpc auto). A ConfigError says what to give instead."""
+    if grpc is not None and normalize_grpc_target(grpc) == GRPC_AUTO:
+        if server is None:
+            raise ConfigError("--grpc auto benches the server that --server SOURCE starts over its gRPC port: give "
+                              "--server SOURCE too, or --grpc HOST:PORT of a running server")
+    elif grpc is not None:
+        if server is not None:
+            raise ConfigError("--grpc HOST:PORT names a running server; to bench the one --server starts over "
+                              "gRPC, give --grpc auto")
+        if url is not None:
+            raise ConfigError("give --url or --grpc HOST:PORT, not both: each names a running server")
+        return
+    if (url is None) == (server is None):
+        raise ConfigError("give --url URL of a running server, or --server SOURCE to start one (or --grpc "
+                          "HOST:PORT of a running server's gRPC API; --offline SOURCE: the engine in this process)")
 
 
 DEFAULTS = BenchStageConfig()

@@ -1,6 +1,7 @@
 """`llmopt bench summary DIR`: one Markdown table of the reports `make bench` writes (DIR/NAME-cC.json,
-one per run and concurrency), with each run's output throughput as a multiple of a baseline run's at
-the same concurrency, and, for servers the bench started itself, their start-up time and peak memory."""
+one per run and concurrency), with the protocol each ran over (http or grpc), each run's output throughput as a
+multiple of a baseline run's at the same concurrency, and, for servers the bench started itself, their
+start-up time and peak memory."""
 from __future__ import annotations
 
 import re
@@ -10,7 +11,7 @@ from ..errors import DataError
 from .report import load_report
 
 NAME = re.compile(r"^(?P<name>.+)-c(?P<c>\d+)\.json$")
-COLUMNS = ("run", "concurrency", "ok/failed", "output tok/s", "req/s", "median TTFT ms", "p99 TTFT ms",
+COLUMNS = ("run", "protocol", "concurrency", "ok/failed", "output tok/s", "req/s", "median TTFT ms", "p99 TTFT ms",
            "median TPOT ms", "median ITL ms", "median e2e ms", "x baseline", "ready s", "peak RSS MiB")
 
 
@@ -44,7 +45,8 @@ def _row(name: str, c: int, r: dict, base: dict | None) -> list[str]:
     x = ratio(r, base)
     server = r.get("server") or {}
     rss = server.get("peak_rss_bytes")
-    return [name, str(c), f"{r['completed']}/{r['failed']}", _fmt(r.get("output_throughput")),
+    protocol = r.get("protocol") or "http"  # none: an older llmopt report, or vLLM's, both over HTTP
+    return [name, protocol, str(c), f"{r['completed']}/{r['failed']}", _fmt(r.get("output_throughput")),
             _fmt(r.get("request_throughput"), 2), _fmt(r.get("median_ttft_ms")), _fmt(r.get("p99_ttft_ms")),
             _fmt(r.get("median_tpot_ms")), _fmt(r.get("median_itl_ms")), _fmt(r.get("median_e2el_ms")),
             "-" if x is None else f"{x:.1f}x", _fmt(server.get("ready_s"), 2), _fmt(rss and rss / 2**20, 0)]

@@ -77,6 +77,9 @@ class ServeConfig(FromOptions):
             raise ConfigError(f"--cores-per-replica {self.cores_per_replica}: give at least 1")
         if self.router_policy not in POLICIES:
             raise ConfigError(f"--router-policy {self.router_policy!r}: use one of {', '.join(POLICIES)}")
+        if self.data_parallel > 1 and self.server.grpc_port is not None:
+            raise ConfigError("--grpc-port with --data-parallel: the replicas' router speaks HTTP only; serve one "
+                              "replica per `llmopt serve --grpc-port` behind a gRPC load balancer instead")
 
     @classmethod
     def from_values(cls, o: dict) -> ServeConfig:
@@ -100,7 +103,7 @@ class ServeConfig(FromOptions):
 ENGINE_OPTIONS = ("block_size", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
                   "max_model_len",
                   "max_batch_size", "max_wait_ms", "enforce_eager")
-SERVER_OPTIONS = ("host", "port", "metrics_public", "max_queued_requests", "max_queued_tokens", "max_body_bytes",
+SERVER_OPTIONS = ("host", "port", "grpc_port", "metrics_public", "max_queued_requests", "max_queued_tokens", "max_body_bytes",
                   "max_connections", "log_json")
 SERVER_SECONDS = ("request_timeout", "drain_grace", "drain_timeout", "header_timeout", "keep_alive_timeout")
 
@@ -161,7 +164,8 @@ def options_from_file(path, source: str, schema: Options | None = None) -> dict:
 DEFAULTS = ServeConfig()  # what every option is when not given: the command line reads its defaults here
 _E, _S, _T = DEFAULTS.engine, DEFAULTS.server, DEFAULTS.tp
 OPTIONS = Options(  # in `llmopt serve`'s order
-    Option("host", str, _S.host), Option("port", int, _S.port), Option("api_key", str, _S.api_key, optional=True),
+    Option("host", str, _S.host), Option("port", int, _S.port), Option("grpc_port", int, _S.grpc_port, optional=True),
+    Option("api_key", str, _S.api_key, optional=True),
     Option("api_key_file", str, None, optional=True), Option("api_keys_file", str, None, optional=True),
     Option("served_model_name", str, None, optional=True), Option("metrics_public", bool, _S.metrics_public),
     Option("max_queued_requests", int, _S.max_queued_requests), Option("max_queued_tokens", int, _S.max_queued_tokens),

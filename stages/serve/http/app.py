@@ -6,7 +6,7 @@ import json
 import logging
 import threading
 from contextlib import asynccontextmanager
-from typing import Callable
+from typing import Awaitable, Callable, Sequence
 
 from fastapi import FastAPI
 
@@ -19,13 +19,19 @@ from .middleware import AccessLog, ApiKeyAuth, BodyLimit, BodyTimeout
 from .state import ServerState
 
 log = logging.getLogger("llmopt.serve")
+# Another API over the same state, run on the server's event loop (the gRPC server, stages/serve/rpc):
+# started when the app starts, it returns the coroutine function that stops it.
+Service = Callable[[ServerState], Awaitable[Callable[[], Awaitable[None]]]]
 
 
 def create_app(config: ServerConfig, engine=None, loader: Callable[[], object] | None = None,
-               on_load_error: Callable[[BaseException], None] | None = None, startup=None) -> FastAPI:
+               on_load_error: Callable[[BaseException], None] | None = None, startup=None,
+               services: Sequence[Service] = ()) -> FastAPI:
     """The app serving `engine` (an LLMEngine), or the one `loader()` returns: it runs in a thread
     of its own once the server is up, and /health answers 503 until it is done. startup: the process's
-    `StartupReport` (stages/serve/startup.py), completed and logged in the "serving on" line."""
+    `StartupReport` (stages/serve/startup.py), completed and logged in the "serving on" line. services:
+    other APIs over the same engine, started before the model loads and stopped before the engine is (a
+    service that cannot start is a failed load: `on_load_error`, else raised)."""
     if (engine is None) == (loader is None):
         raise ValueError("give either an engine or a loader")
     state = ServerState(config)
@@ -33,16 +39,28 @@ def create_app(config: ServerConfig, engine=None, loader: Callable[[], object] |
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if engine is not None:
-            state.attach(engine)
-        else:
-            if startup is not None:
-                startup.mark("http")
-            _load_in_background(state, loader, on_load_error)
+        stops = []
+        try:
+            for start in services:
+                stops.append(await start(state))
+        except LlmoptError as e:
+            if on_load_error is None:
+                raise
+            state.load_error = e
+            on_load_error(e)
+        if state.load_error is None:
+            if engine is not None:
+                state.attach(engine)
+            else:
+                if startup is not None:
+                    startup.mark("http")
+                _load_in_background(state, loader, on_load_error)
         try:
             yield
         finally:
             state.draining = True
+            for stop in reversed(stops):
+                await stop()
             state.shutdown()
 
     app = FastAPI(title="llmopt", summary="OpenAI-compatible server for llmopt models", version="1",

@@ -11,6 +11,7 @@ from .tenants import Tenant
 class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless asked: an open port serves anyone who can reach it
     port: int = 8000
+    grpc_port: int | None = None  # also serve the gRPC API (stages/serve/rpc) on this port of `host`
     served_model_name: str = "model"
     api_key: str | None = field(default=None, repr=False)  # when set, every route but /health needs it as Bearer
     tenants: tuple[Tenant, ...] = field(default=(), repr=False)  # --api-keys-file: keys with their own limits
@@ -30,6 +31,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535 (got {self.port})")
+        if self.grpc_port is not None and not 0 <= self.grpc_port <= 65535:
+            raise ConfigError(f"--grpc-port must be in 0..65535 (got {self.grpc_port})")
+        if self.grpc_port is not None and self.grpc_port == self.port != 0:
+            raise ConfigError(f"--grpc-port {self.grpc_port} is the HTTP --port too; give them different ports")
         _at_least("--max-queued-requests", self.max_queued_requests, 0)
         _at_least("--max-queued-tokens", self.max_queued_tokens, 1)
         _at_least("--max-body-bytes", self.max_body_bytes, 1)

@@ -43,27 +43,33 @@ class ChoiceResult:
 class Generation:
     """One HTTP request's sequences: every prompt with each of `params` (one per choice)."""
 
-    def __init__(self, state, request_id: str, prompts: list[list[int]], params: list, prompt_param: str = "prompt"):
+    def __init__(self, state, request_id: str, prompts: list[list[int]], params: list, prompt_param: str = "prompt",
+                 protocol: str = "http"):
         self.state, self.engine = state, state.ready_engine()
         self.request_id = request_id
         self.prompt_param = prompt_param  # the body field the prompts came from, for error messages
         self.jobs = [(f"{request_id}-{len(params) * p + i}", ids, sp)
                      for p, ids in enumerate(prompts) for i, sp in enumerate(params)]
-        self.traces = [SequenceTrace(state.metrics) for _ in self.jobs]
+        self.traces = [SequenceTrace(state.metrics.series(protocol)) for _ in self.jobs]
         self.timed_out = self.disconnected = self.stopped = False
         self.timer = self.watcher = None
         self.access_id: str | None = None  # the access log's id of the HTTP request (X-Request-Id)
         self.streams: list[AsyncIterator[RequestOutput]] = []
         self.generated = [0] * len(self.jobs)  # output tokens per sequence so far, for the tenant's refund
         self.lease = None  # the tenant's hold (quota.py) while the request runs
+        self.timeout_s: float | None = None  # when it is aborted as timed out, and which limit that is
+        self.limit = "the server's --request-timeout"
 
     def __len__(self) -> int:
         return len(self.jobs)
 
-    def start(self, request=None) -> Generation:
-        """Check, admit and submit every sequence; watch `request` for a client disconnect."""
+    def start(self, request=None, tenant: str | None = None, timeout_s: float | None = None) -> Generation:
+        """Check, admit and submit every sequence; watch `request` (an HTTP request) for a client disconnect.
+        `tenant`: the key's tenant where no HTTP request tells it (gRPC); `timeout_s`: a limit of the caller's
+        own (a gRPC deadline) when it is shorter than the server's --request-timeout."""
         requests = [self._checked(*job) for job in self.jobs]  # a 400 for any before anything is queued
-        tenant = request.scope.get("state", {}).get("tenant") if request is not None else None
+        if request is not None:
+            tenant = request.scope.get("state", {}).get("tenant")
         self.lease = self.state.quotas.acquire(tenant, self._most_tokens())
         try:
             self.state.admission.admit([len(r.prompt_token_ids) for r in requests])
@@ -74,6 +80,9 @@ class Generation:
             raise
         self.state.in_flight.add(self)
         timeout = self.state.config.request_timeout_s
+        if timeout_s is not None and (timeout is None or timeout_s < timeout):
+            timeout, self.limit = timeout_s, "the call's deadline"
+        self.timeout_s = timeout
         if timeout is not None:
             self.timer = asyncio.get_running_loop().call_later(timeout, self._expire)
         if request is not None:
@@ -89,8 +98,8 @@ class Generation:
                 self.generated[index] = out.num_output_tokens
                 if out.finished:
                     if out.finish_reason == "abort" and self.timed_out:
-                        raise APIError(504, f"the request did not finish within {self.state.config.request_timeout_s}"
-                                       " s (the server's --request-timeout)", code="request_timeout")
+                        raise APIError(504, f"the request did not finish within {self.timeout_s:g} s ({self.limit})",
+                                       code="request_timeout")
                 yield index, out
         finally:
             self.close()

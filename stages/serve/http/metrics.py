@@ -39,38 +39,64 @@ class Scrape:
     tenants: list = field(default_factory=list)  # quota.TenantUsage of each --api-keys-file tenant
 
 
+PROTOCOLS = ("http", "grpc")  # the `protocol` label of the per-sequence series: which API the request came by
+
+
 class ServerMetrics:
-    """The app's registry; `read()` gives the Scrape the engine's series come from."""
+    """The app's registry; `read()` gives the Scrape the engine's series come from. The per-sequence series
+    carry a `protocol` label beside `model_name`: `series(protocol)` gives one protocol's (made on first use,
+    so a server that only ever answers HTTP shows only protocol="http")."""
 
     def __init__(self, model_name: str, read: Callable[[], Scrape]):
         multiproc = prom.multiprocess_dir()  # first: a missing directory fails the first Histogram made
         owned = CollectorRegistry()
         self.model_name = model_name
+        labels = ["model_name", "protocol"]
 
         def histogram(name: str, help_text: str, buckets):
-            return Histogram(P + name, help_text, ["model_name"], buckets=buckets, registry=owned).labels(model_name)
+            return Histogram(P + name, help_text, labels, buckets=buckets, registry=owned)
 
         def counter(name: str, help_text: str):
-            return Counter(P + name, help_text, ["model_name"], registry=owned).labels(model_name)
+            return Counter(P + name, help_text, labels, registry=owned)
 
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first output token.", LATENCY_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between a sequence's output tokens, as the server "
-                             "receives them.", LATENCY_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish, per sequence.", E2E_BUCKETS)
-        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduling, per sequence.",
-                               LATENCY_BUCKETS)
-        self.prefill = histogram("request_prefill_time_seconds", "First scheduling to first output token, per "
-                                 "sequence.", E2E_BUCKETS)
-        self.decode = histogram("request_decode_time_seconds", "First to last output token, per sequence.",
-                                E2E_BUCKETS)
-        self.prompt_len = histogram("request_prompt_tokens", "Prompt length per sequence.", TOKEN_BUCKETS)
-        self.gen_len = histogram("request_generation_tokens", "Tokens generated per sequence.", TOKEN_BUCKETS)
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished sequences.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.families = {
+            "ttft": histogram("time_to_first_token_seconds", "Arrival to first output token.", LATENCY_BUCKETS),
+            "itl": histogram("inter_token_latency_seconds", "Time between a sequence's output tokens, as the server "
+                             "receives them.", LATENCY_BUCKETS),
+            "e2e": histogram("e2e_request_latency_seconds", "Arrival to finish, per sequence.", E2E_BUCKETS),
+            "queue": histogram("request_queue_time_seconds", "Arrival to first scheduling, per sequence.",
+                               LATENCY_BUCKETS),
+            "prefill": histogram("request_prefill_time_seconds", "First scheduling to first output token, per "
+                                 "sequence.", E2E_BUCKETS),
+            "decode": histogram("request_decode_time_seconds", "First to last output token, per sequence.",
+                                E2E_BUCKETS),
+            "prompt_len": histogram("request_prompt_tokens", "Prompt length per sequence.", TOKEN_BUCKETS),
+            "gen_len": histogram("request_generation_tokens", "Tokens generated per sequence.", TOKEN_BUCKETS),
+            "prompt_tokens": counter("prompt_tokens", "Prompt tokens of finished sequences."),
+            "generation_tokens": counter("generation_tokens", "Tokens generated."),
+        }
+        self._series: dict[str, ProtocolSeries] = {}
         self.registry = prom.scrape_registry(owned, EngineCollector(model_name, read), multiproc)
+
+    def series(self, protocol: str) -> ProtocolSeries:
+        """The per-sequence series of requests that came by `protocol` (one of PROTOCOLS)."""
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"unknown protocol {protocol!r}")
+        if protocol not in self._series:
+            self._series[protocol] = ProtocolSeries(self.families, self.model_name, protocol)
+        return self._series[protocol]
 
     def render(self) -> bytes:
         return prom.render(self.registry)
+
+
+class ProtocolSeries:
+    """One protocol's children of the per-sequence families (ttft, itl, e2e, queue, prefill, decode,
+    prompt_len, gen_len: histograms; prompt_tokens, generation_tokens: counters)."""
+
+    def __init__(self, families: dict, model_name: str, protocol: str):
+        for name, family in families.items():
+            setattr(self, name, family.labels(model_name, protocol))
 
 
 class EngineCollector:
@@ -168,7 +194,7 @@ class SequenceTrace:
     """Observes one sequence's outputs as they arrive and records its metrics."""
     __slots__ = ("metrics", "last_token_at", "started")
 
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, metrics: ProtocolSeries):
         self.metrics = metrics
         self.last_token_at: float | None = None
         self.started = False

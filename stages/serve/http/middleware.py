@@ -94,13 +94,18 @@ class ApiKeyAuth:
                          "invalid_api_key", {"WWW-Authenticate": "Bearer"})
 
     def _tenant(self, scope) -> tuple[bool, str | None]:
-        value = (_header(scope, b"authorization") or "").encode("latin-1")
-        scheme, _, token = value.partition(b" ")
-        token, found, tenant = token.strip(), False, None
-        for key, name in self.keys:  # no early exit: the time taken does not say which key matched
-            if hmac.compare_digest(token, key):
-                found, tenant = True, name
-        return scheme.lower() == b"bearer" and found, tenant
+        return bearer_tenant(_header(scope, b"authorization") or "", self.keys)
+
+
+def bearer_tenant(authorization: str, keys: list[tuple[bytes, str | None]]) -> tuple[bool, str | None]:
+    """Whether `authorization` ("Bearer KEY": an HTTP header's or gRPC metadata's value) holds one of `keys`
+    ((key bytes, tenant name) pairs), and that key's tenant. Every key is compared, in constant time."""
+    scheme, _, token = authorization.encode("latin-1", "replace").partition(b" ")
+    token, found, tenant = token.strip(), False, None
+    for key, name in keys:  # no early exit: the time taken does not say which key matched
+        if hmac.compare_digest(token, key):
+            found, tenant = True, name
+    return scheme.lower() == b"bearer" and found, tenant
 
 
 class BodyLimit:

@@ -45,15 +45,16 @@ def setup_logging(log_json: bool) -> None:
         logger.propagate = False
 
 
-def make_server(config: ServerConfig, loader: Callable[[], object], on_load_error=None, startup=None):
-    """A uvicorn Server for the app (not started); `run()` serves until a signal, then drains."""
+def make_server(config: ServerConfig, loader: Callable[[], object], on_load_error=None, startup=None, services=()):
+    """A uvicorn Server for the app (not started); `run()` serves until a signal, then drains. services:
+    other APIs on the same event loop and engine (app.Service: the gRPC server)."""
     def failed(error: BaseException) -> None:
         server.load_error = error
         server.should_exit = True
         if on_load_error is not None:
             on_load_error(error)
 
-    app = create_app(config, loader=loader, on_load_error=failed, startup=startup)
+    app = create_app(config, loader=loader, on_load_error=failed, startup=startup, services=services)
     state = app.state.server
     refuse = connection_refusal(config.retry_after_s, lambda: state.refused.update(["too_many_connections"]))
     # uvicorn's own lines stay quiet below warnings: what a user needs (serving, draining) is ours, and a
@@ -67,14 +68,14 @@ def make_server(config: ServerConfig, loader: Callable[[], object], on_load_erro
     return server
 
 
-def serve(config: ServerConfig, loader: Callable[[], object], startup=None) -> None:
+def serve(config: ServerConfig, loader: Callable[[], object], startup=None, services=()) -> None:
     """Serve until SIGINT/SIGTERM. Raises the loader's error if the model fails to load. startup: the
-    process's StartupReport, logged when serving starts."""
+    process's StartupReport, logged when serving starts; services: as make_server's."""
     setup_logging(config.log_json)
     if config.api_key is None and not is_loopback(config.host):
         log.warning("warning: serving on %s, which is not a loopback address, without an API key: anyone who can "
                     "reach port %d can use the model (give --api-key-file or $LLMOPT_API_KEY)", config.host, config.port)
-    server = make_server(config, loader, startup=startup)
+    server = make_server(config, loader, startup=startup, services=services)
     with _signals_stop(server):
         try:
             server.run()

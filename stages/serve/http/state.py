@@ -31,6 +31,7 @@ class ServerState:
         self.refused: Counter[str] = Counter()  # 503s given before admission (draining, too many connections)
         self.cache_config: dict[str, str] = {}  # cache_config_info's labels, once loaded
         self.startup = None  # the process's StartupReport when the app loads the model (serve/startup.py)
+        self.grpc_port: int | None = None  # the gRPC API's bound port, once it serves (stages/serve/rpc)
 
     def attach(self, llm_engine) -> None:
         """Serve `llm_engine` (an LLMEngine): start its loop thread and open the API."""

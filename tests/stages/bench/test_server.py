@@ -116,3 +116,26 @@ def test_the_bench_server_has_no_drain_grace_unless_serve_args_set_one():
     grace = [i for i, word in enumerate(command) if word == "--drain-grace"]
     assert [command[i + 1] for i in grace] == ["0", "2"]  # ours first: the user's, given last, wins
     assert "--drain-grace" not in ServerSpec("out/x", engine="hf").command(8000)
+
+
+def _grpc_serve_available() -> bool:
+    try:
+        from llmopt.stages.serve.rpc import start_grpc  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _grpc_serve_available(), reason="llmopt serve --grpc-port not built yet")
+def test_grpc_auto_benches_a_real_server_over_its_grpc_port(tiny_hf, tmp_path, capsys):
+    report_path = tmp_path / "r.json"
+    code = main(["bench", "--server", str(tiny_hf[0]), "--grpc", "auto", "--dataset", "random", "--input-len", "6",
+                 "--output-len", "5", "--ignore-eos", "--num-prompts", "4", "--max-concurrency", "2", "--quiet",
+                 "--server-timeout", "120", "--json", str(report_path)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(report_path.read_text())
+    assert (report["protocol"], report["completed"], report["failed"]) == ("grpc", 4, 0), report["errors"]
+    assert report["base_url"].startswith("grpc://127.0.0.1:") and report["model_id"]
+    assert report["total_output_tokens"] == 20 and report["total_input_tokens"] > 0  # usage of the last messages
+    assert ", gRPC at 127.0.0.1:" in captured.err

@@ -41,7 +41,7 @@ def captured(monkeypatch):
         calls["backend"] = backend
         raise Built
 
-    def serve(config, loader, startup=None):
+    def serve(config, loader, startup=None, services=()):
         calls["server"] = config
         with pytest.raises(Built):
             loader()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -69,7 +70,8 @@ def test_each_app_has_its_own_registry():
     from llmopt.stages.serve.http.metrics import Scrape, ServerMetrics
 
     a, b = (ServerMetrics(name, lambda: Scrape(None, {}, False)) for name in ("a", "b"))
-    a.ttft.observe(0.5)
+    a.series("http").ttft.observe(0.5)
+    b.series("http")
     assert value(a.render().decode(), "llmopt:time_to_first_token_seconds_count", model_name="a") == 1
     assert value(b.render().decode(), "llmopt:time_to_first_token_seconds_count", model_name="b") == 0
     assert b"llmopt:" not in prometheus_client.generate_latest(prometheus_client.REGISTRY)
@@ -79,8 +81,9 @@ MULTIPROCESS = """
 import sys
 from llmopt.stages.serve.http.metrics import Scrape, ServerMetrics
 metrics = ServerMetrics("m", lambda: Scrape(None, {}, True))
-metrics.ttft.observe(0.5)
-metrics.generation_tokens.inc(3)
+http = metrics.series("http")
+http.ttft.observe(0.5)
+http.generation_tokens.inc(3)
 if sys.argv[1] == "render":
     sys.stdout.write(metrics.render().decode())
 """
@@ -193,3 +196,17 @@ def test_a_shared_prefix_bench_hits_the_prefix_cache(model_dir, tmp_path):
     assert code == 0
     queries, hits = value(text, "llmopt:prefix_cache_queries_total"), value(text, "llmopt:prefix_cache_hits_total")
     assert queries > 8 * 16 and hits >= 6 * 16  # 6 of 8 prompts find at least a 16-token block of their prefix
+
+
+def test_per_sequence_series_carry_the_protocol_they_came_by():
+    from llmopt.stages.serve.http.metrics import Scrape, ServerMetrics
+
+    metrics = ServerMetrics("m", lambda: Scrape(None, {}, True))
+    metrics.series("grpc").generation_tokens.inc(2)
+    metrics.series("http").generation_tokens.inc(5)
+    text = metrics.render().decode()
+    assert value(text, "llmopt:generation_tokens_total", model_name="m", protocol="grpc") == 2
+    assert value(text, "llmopt:generation_tokens_total", model_name="m", protocol="http") == 5
+    assert metrics.series("grpc") is metrics.series("grpc")
+    with pytest.raises(ValueError, match="unknown protocol"):
+        metrics.series("ftp")
