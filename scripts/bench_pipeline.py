@@ -49,17 +49,25 @@ def shard_args(pp_layers: str | None) -> dict[str, list[str]]:
 
 def artifacts(base: Path, out: Path, pp_layers: str | None = None) -> dict[str, Path]:
     """PP1 is the base; the others are sharded from it into `out` (once: kept while their manifest is there and
-    says the same split)."""
+    says the same split, made by the same flags and defaults)."""
     paths = {"pp1": base}
     for name, flags in shard_args(pp_layers).items():
         path = out / "artifacts" / name
         manifest = path / "llmopt.json"
-        if not manifest.is_file() or (pp_layers and name == "pp2-layers"
-                                      and json.loads(manifest.read_text())["config"].get("pp_layers") != pp_layers):
+        if not manifest.is_file() or json.loads(manifest.read_text())["config"] != shard_config(flags):
             subprocess.run([*LLMOPT, "shard", str(base), *flags, "-o", str(path), "--force", "--json"], check=True,
                            stdout=subprocess.DEVNULL)
         paths[name] = path
     return paths
+
+
+def shard_config(flags: list[str]) -> dict:
+    """The config `llmopt shard` records in the manifest for these flags (today's defaults for the rest)."""
+    from llmopt.stages.shard.config import ShardConfig
+
+    values = dict(zip(flags[0::2], flags[1::2]))
+    return ShardConfig(tp=int(values.get("--tp", 1)), pp=int(values.get("--pp", 1)),
+                       pp_layers=values.get("--pp-layers")).to_dict()
 
 
 def bench_command(artifact: Path, concurrency: int, output_len: int, report: Path) -> list[str]:

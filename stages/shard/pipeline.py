@@ -6,8 +6,12 @@ global rank g = stage * M + t, t the rank's tensor-parallel index within its sta
 tied to the embedding stores one matrix for both; split over stages, the last stage holds its own copy of the
 embedding (vocab-sliced under TP) to compute the logits (`tied_lm_head_duplicated`).
 
-Without --pp-layers the layers are balanced by their stored bytes (codes and scales for a quantized model),
-which is also each layer's share of a decode step's weight reads.
+Without --pp-layers the layers are balanced by bytes (codes and scales for a quantized model). `--pp-balance
+decode` (the default) weighs what a decode step reads: every layer's weights and the head's (final norm and
+lm_head, or the tied copy), but not the embedding, which a step only gathers one row of per token. `memory`
+weighs what each stage stores: the embedding counts on stage 0 too, for models whose stages must fit devices.
+On smollm2-135m (tied, 30 layers, the head about 8 layers' bytes) decode gives 19/11 and memory 15/15; served
+with 16 clients, one core per stage, 19/11 ran at 0.83x one process and 15/15 at 0.79x (docs/shard.md).
 
 Like plan.py's, the plan is plain JSON in the sharded artifact's manifest (`model.pipeline_parallel`).
 """
@@ -151,16 +155,24 @@ def check_kv_groups(config: dict, pp: int) -> None:
                           "attention); pipeline stages of such models are not supported yet; use --tp")
 
 
-def plan_stages(config: dict, sizes: dict[str, int], tp: int, pp: int, pp_layers: str | None, tied: bool) -> dict:
+BALANCES = ("decode", "memory")  # --pp-balance: bytes a decode step reads, or bytes each stage stores
+
+
+def plan_stages(config: dict, sizes: dict[str, int], tp: int, pp: int, pp_layers: str | None, tied: bool,
+                balance: str = "decode") -> dict:
     """The pipeline plan for a model (`config`, each stored tensor's bytes `sizes`): the stages --pp-layers
-    names, else `pp` stages balanced by bytes."""
+    names, else `pp` stages balanced by `balance` (BALANCES: the embedding weighs nothing for decode, a row
+    gather per token, and its stored bytes for memory)."""
+    if balance not in BALANCES:
+        raise ConfigError(f"--pp-balance {balance!r}: use one of {', '.join(BALANCES)}")
     n = int(config["num_hidden_layers"])
     check_kv_groups(config, pp)
     layers, embed, head = stored_bytes(sizes, n, tied and pp > 1)
     if pp_layers is not None:
-        ranges, balance = parse_pp_layers(pp_layers, n, pp), "explicit"
+        ranges = parse_pp_layers(pp_layers, n, pp)
+        balance = "explicit"
     else:
-        ranges, balance = balance_layers(layers, pp, embed, head), "bytes"
+        ranges = balance_layers(layers, pp, embed if balance == "memory" else 0, head)
     stage_bytes = [sum(layers[a:b]) + embed * (s == 0) + head * (s == pp - 1) for s, (a, b) in enumerate(ranges)]
     return make_pipeline_plan(config, ranges, tp, stage_bytes, balance, tied=tied)
 
@@ -168,9 +180,9 @@ def plan_stages(config: dict, sizes: dict[str, int], tp: int, pp: int, pp_layers
 def make_pipeline_plan(config: dict, ranges: list[tuple[int, int]], tp: int, stage_bytes: list[int], balance: str,
                        tied: bool | None = None) -> dict:
     """The manifest entry `model.pipeline_parallel`: stages `ranges` of `tp` ranks each. `stage_bytes`: each
-    stage's weights as stored in the source (all its ranks together, the tied copy included); `balance`: "bytes"
-    (balance_layers) or "explicit" (--pp-layers); `tied`: lm_head is the embedding (default: the config's
-    tie_word_embeddings)."""
+    stage's weights as stored in the source (all its ranks together, the tied copy included); `balance`: what
+    balance_layers weighed ("decode" or "memory", BALANCES) or "explicit" (--pp-layers); `tied`: lm_head is the
+    embedding (default: the config's tie_word_embeddings)."""
     pp = len(ranges)
     tied = bool(config.get("tie_word_embeddings")) if tied is None else tied
     stages = [{"stage": s, "layers": [a, b], "embed": s == 0, "head": s == pp - 1,

@@ -39,3 +39,10 @@ def test_table_gives_medians_ratios_to_pp1_and_the_bubbles():
     assert "| PP1 | 49.0 | 50.0, 48.0, 49.0 | 1.00x |" in text
     assert "| PP2 | 48.0 |" in text and "0.98x" in text and "| TP2 | 20.0 |" in text and "0.41x" in text
     assert "| PP2 | 1 | 15-29 | 59.3 | 91% | 9% |" in text
+
+
+def test_an_artifact_is_resharded_when_its_config_is_not_todays():
+    assert bench_pipeline.shard_config(["--pp", "2"]) == {"tp": 1, "pp": 2, "pp_layers": None, "pp_balance": "decode"}
+    assert bench_pipeline.shard_config(["--pp", "2", "--pp-layers", "0-18,19-29"]) == {
+        "tp": 1, "pp": 2, "pp_layers": "0-18,19-29"}
+    assert bench_pipeline.shard_config(["--tp", "2"]) == {"tp": 2}

@@ -81,8 +81,8 @@ def test_stored_bytes_weigh_layers_embedding_and_head():
 
 
 def test_the_plan_in_the_manifest():
-    plan = make_pipeline_plan(dict(LLAMA, tie_word_embeddings=True), [(0, 15), (15, 30)], 1, [123, 456], "bytes")
-    assert plan == {"pp": 2, "tp": 1, "world_size": 2, "num_layers": 30, "balance": "bytes",
+    plan = make_pipeline_plan(dict(LLAMA, tie_word_embeddings=True), [(0, 15), (15, 30)], 1, [123, 456], "decode")
+    assert plan == {"pp": 2, "tp": 1, "world_size": 2, "num_layers": 30, "balance": "decode",
                     "stages": [{"stage": 0, "layers": [0, 15], "embed": True, "head": False, "ranks": [0], "bytes": 123},
                                {"stage": 1, "layers": [15, 30], "embed": False, "head": True, "ranks": [1],
                                 "bytes": 456}],
@@ -99,10 +99,15 @@ def test_the_plan_in_the_manifest():
 def test_plan_stages_balances_or_takes_the_given_layers():
     sizes = {f"model.layers.{i}.mlp.down_proj.weight": 10 for i in range(30)}
     sizes.update({"model.embed_tokens.weight": 40, "model.norm.weight": 1})  # tied: no lm_head
-    plan = plan_stages(LLAMA, sizes, tp=1, pp=2, pp_layers=None, tied=True)
-    assert plan["balance"] == "bytes" and plan["tied_lm_head_duplicated"]
-    assert [s["layers"] for s in plan["stages"]] == [[0, 15], [15, 30]]  # the copy weighs as much as the embedding
-    assert [s["bytes"] for s in plan["stages"]] == [190, 191]
+    plan = plan_stages(LLAMA, sizes, tp=1, pp=2, pp_layers=None, tied=True)  # decode: what a step reads
+    assert plan["balance"] == "decode" and plan["tied_lm_head_duplicated"]
+    assert [s["layers"] for s in plan["stages"]] == [[0, 17], [17, 30]]  # the embedding is a gather: 170 vs 171 read
+    assert [s["bytes"] for s in plan["stages"]] == [210, 171]  # what each stage stores
+    memory = plan_stages(LLAMA, sizes, tp=1, pp=2, pp_layers=None, tied=True, balance="memory")
+    assert memory["balance"] == "memory" and [s["layers"] for s in memory["stages"]] == [[0, 15], [15, 30]]
+    assert [s["bytes"] for s in memory["stages"]] == [190, 191]  # the copy weighs as much as the embedding
+    with pytest.raises(ConfigError, match="--pp-balance 'time'"):
+        plan_stages(LLAMA, sizes, tp=1, pp=2, pp_layers=None, tied=True, balance="time")
     given = plan_stages(LLAMA, sizes, tp=2, pp=3, pp_layers="0-9,10-19,20-29", tied=True)
     assert given["balance"] == "explicit" and [s["layers"][0] for s in given["stages"]] == [0, 10, 20]
 
@@ -130,8 +135,9 @@ def test_several_kv_groups_are_refused():
 def test_config_defaults_validation_and_dict():
     assert ShardConfig(2).to_dict() == {"tp": 2}  # as before --pp: old recipes and artifacts keep their config
     assert ShardConfig().to_dict() == {"tp": 1}
-    assert ShardConfig(1, 3).to_dict() == {"tp": 1, "pp": 3, "pp_layers": None}
+    assert ShardConfig(1, 3).to_dict() == {"tp": 1, "pp": 3, "pp_layers": None, "pp_balance": "decode"}
     assert ShardConfig(pp=2, pp_layers="0-3,4-6").to_dict() == {"tp": 1, "pp": 2, "pp_layers": "0-3,4-6"}
+    assert ShardConfig(pp=2, pp_balance="memory").to_dict()["pp_balance"] == "memory"
     ShardConfig(tp=2, pp=2, pp_layers="0-3,4-6").validate()
 
 
@@ -141,6 +147,7 @@ def test_config_defaults_validation_and_dict():
     (ShardConfig(pp=True), "--pp must be a positive integer (got True)"),
     (ShardConfig(pp_layers="0-3,4-6"), "--pp-layers 0-3,4-6 lists 2 stages but --pp is 1; pass --pp 2"),
     (ShardConfig(pp=2, pp_layers="0-3,x"), "'x' is not a layer range"),
+    (ShardConfig(pp=2, pp_balance="time"), "--pp-balance 'time': use one of decode, memory"),
 ])
 def test_bad_config_is_one_line(config, message):
     with pytest.raises(ConfigError) as e:

@@ -53,9 +53,10 @@ def test_pp3_holds_each_stages_layers_renumbered(models):
     art = run_shard(str(models / "base"), models / "base-pp3", ShardConfig(pp=3), force=True)
     pipeline, source = art.pipeline_parallel, source_state(models / "base")
     assert sorted(p.name for p in art.path.glob("rank-*")) == [rank_dir(g) for g in range(3)] and art.world_size == 3
-    assert [s["layers"] for s in pipeline["stages"]] == [[0, 2], [2, 5], [5, 7]]  # the embedding's copy weighs last
-    assert pipeline["tied_lm_head_duplicated"] and pipeline["balance"] == "bytes"
-    assert art.tensor_parallel["tp"] == 1 and art.manifest["config"] == {"tp": 1, "pp": 3, "pp_layers": None}
+    assert [s["layers"] for s in pipeline["stages"]] == [[0, 2], [2, 5], [5, 7]]  # the head's copy weighs last
+    assert pipeline["tied_lm_head_duplicated"] and pipeline["balance"] == "decode"
+    assert art.tensor_parallel["tp"] == 1 and art.manifest["config"] == {"tp": 1, "pp": 3, "pp_layers": None,
+                                                                         "pp_balance": "decode"}
     for stage in pipeline["stages"]:
         state = rank_state(art, stage["stage"])
         first, end = stage["layers"]
