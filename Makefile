@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo proto bench-grpc bench bench-llamacpp bench-pp bench-scale-out peer-quality bench-gguf-export bench-engine bench-kernels fuzz compile-check gpu-wheels clean
+.PHONY: venv test test-fast demo proto bench-grpc quality-domains bench bench-llamacpp bench-pp bench-scale-out peer-quality bench-gguf-export bench-engine bench-kernels fuzz compile-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -132,6 +132,12 @@ bench-gguf-export: $(STAMP)
 # served as PP1, PP2 and TP2 (one rank per core) under the same load at concurrency 16, rotated rounds, medians;
 # then each PP2 stage's bubble from llmopt profile. PP_ARGS passes options (e.g. --rounds 5).
 PP_ARGS ?=
+# Quantization quality off the calibration domain (scripts/calib_domains.py, docs/quantize.md): RTN and GPTQ W4 g64
+# calibrated on wikitext2-valid and on each mix in DOMAIN_CALIBS, scored on wikitext2, code and chat.
+DOMAIN_CALIBS ?= wikitext2-valid:0.3,sharegpt:0.5,code:0.2
+quality-domains: $(STAMP) $(ART)/base/llmopt.json
+	$(PY) scripts/calib_domains.py $(ART)/base $(foreach c,$(DOMAIN_CALIBS),--calib $(c)) --out $(BENCH_OUT)/domains $(DOMAIN_ARGS)
+
 # gRPC against HTTP on one `llmopt serve --grpc-port` (scripts/bench_grpc.py, docs/grpc.md): median ITL and the
 # server's CPU time per output token, both protocols under the same load, alternating rounds; on a 2-layer random
 # model (the protocol's own cost) and on smollm2-135m fp32 (what a user sees).

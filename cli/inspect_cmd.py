@@ -7,7 +7,7 @@ import typer
 from rich.table import Table
 
 from .options import Json, Source
-from .ui import err, human_bytes, out, print_json
+from .ui import before_after_rows, err, human_bytes, out, print_json
 
 
 def run(artifact: Source, json: Json = False,
@@ -53,7 +53,14 @@ def render_summary(s: dict) -> None:
         src = m["source"]
         out.print(f"[cyan]source[/cyan] {src.get('kind')} {src.get('ref')} sha256={str(src.get('sha256', '-'))[:16]}")
     metrics = m.get("metrics") or {}
-    _table("metrics", ["metric", "value"], [[k, _short(v)] for k, v in metrics.items() if k != "sparsity"])
+    rows = []
+    for k, v in metrics.items():
+        if k == "perplexity_before_after":  # a row per evaluation set
+            rows += [[k + label.removeprefix("perplexity").replace(" ", ": ", 1), text]
+                     for label, text in before_after_rows(v)]
+        elif k != "sparsity":
+            rows.append([k, _short(v)])
+    _table("metrics", ["metric", "value"], rows)
     _sparsity_table(metrics.get("sparsity"))
 
 

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmopt.kernels import BACKENDS
+from llmopt.stages.calib import CHAT_MIX
 from llmopt.stages.options import DTYPES
 
 DType = Enum("DType", {name: name for name in DTYPES}, type=str)  # the stages' --dtype choices
@@ -26,13 +27,16 @@ Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (
 MaxWindows = Annotated[Optional[int], typer.Option("--max-windows", min=1, help="Evaluate only the first N windows.")]
 
 # Quantize and prune: calibration, what to leave alone, where to compute, and the quick before/after check.
-Calib = Annotated[str, typer.Option("--calib", help="wikitext2-valid | sharegpt | FILE | self")]
+Calib = Annotated[str, typer.Option("--calib", help=f"auto (a model with a chat template: {CHAT_MIX}; else "
+                                    "wikitext2-valid) | wikitext2-valid | sharegpt | code | FILE | self | a mix "
+                                    "NAME:WEIGHT,NAME:WEIGHT,...")]
 NSamples = Annotated[int, typer.Option("--nsamples", min=1)]
 CalibSeqlen = Annotated[int, typer.Option("--seqlen", min=2)]
 Seed = Annotated[int, typer.Option("--seed")]
 Ignore = Annotated[Optional[list[str]], typer.Option("--ignore", help="Linear names/globs/re: to keep dense.")]
 Device = Annotated[str, typer.Option("--device", help="cpu | cuda")]
-EvalWindows = Annotated[int, typer.Option("--eval-windows", min=0, help="Perplexity windows before/after (0: off).")]
+EvalWindows = Annotated[int, typer.Option("--eval-windows", min=0, help="Perplexity windows before/after, of each "
+                                           "evaluation set: wikitext2, code, chat (0: off).")]
 
 # Tensor-parallel serving across machines (torchrun's variables); a single node needs none of them.
 NNodes = Annotated[int, typer.Option("--nnodes", min=1, help="Machines a sharded artifact's ranks span.")]

@@ -10,7 +10,7 @@ from llmopt.stages.quantize.config import OPTIONS
 
 from .options import (Calib, CalibSeqlen, Device, DType, DTypeOpt, EvalWindows, Force, Ignore, Json, NSamples, Output,
                       Seed, Source, stage_options)
-from .ui import human_bytes, out, run_stage
+from .ui import before_after_rows, human_bytes, out, run_stage
 
 D = OPTIONS.defaults
 Opt = typer.Option
@@ -56,7 +56,6 @@ def render(art, metrics: dict) -> None:
     table.add_row("weights on disk", human_bytes(metrics["size_bytes"]))
     if "quantize_seconds" in metrics:
         table.add_row("time", f"{metrics['quantize_seconds']:.1f} s")
-    ba = metrics.get("perplexity_before_after")
-    if ba:
-        table.add_row("perplexity", f"{ba['before']:.4f} -> {ba['after']:.4f} ({ba['increase_pct']:+.2f}%), {ba['protocol']}")
+    for row in before_after_rows(metrics.get("perplexity_before_after")):
+        table.add_row(*row)
     out.print(table)

@@ -35,12 +35,12 @@ class ConsoleView:
         render = {"quantize": quantize_cmd.render, "prune": prune_cmd.render, "shard": shard_cmd.render}[spec.kind]
         render(art, art.manifest["metrics"])
 
-    def evaluated(self, ref: str, result) -> None:
+    def evaluated(self, ref: str, results: dict) -> None:
         if not self.show_results:
             return
         from .eval_cmd import render
 
-        render(ref, result)
+        render(ref, results)
 
     def profiled(self, report: dict) -> None:
         if not self.show_results:
@@ -124,13 +124,18 @@ def commands(spec, refs: list[str], output) -> list[str]:
 
 def render_summary(summary: dict) -> None:
     table = Table(title=f"comparison ({summary['workdir']})", title_justify="left")
-    for col in ("model", "made by", "weights", "ppl", "decode tok/s", "out tok/s", "p99 TTFT", "p99 TPOT"):
+    # a column for each other text some row was measured on (code, chat), after the first text's ppl
+    sets = list(dict.fromkeys(s for r in summary["rows"] for s in r.get("perplexity_sets") or {}))
+    for col in ("model", "made by", "weights", "ppl", *(f"ppl {s}" for s in sets), "decode tok/s", "out tok/s",
+                "p99 TTFT", "p99 TPOT"):
         left = col in ("model", "made by")
         table.add_column(col, justify="left" if left else "right", no_wrap=not left or col == "model")
     notes = set()
     for r in summary["rows"]:
+        by_set = r.get("perplexity_sets") or {}
         table.add_row(r["name"], r["made_by"] if r["name"] != "source" else r["ref"], human_bytes(r["size_bytes"]) if r["size_bytes"] else "-",
-                      _num(r["perplexity"], ".3f"), _num(r["decode_tok_s"], ".1f"), _num(r["output_tok_s"], ".1f"),
+                      _num(r["perplexity"], ".3f"), *(_num(by_set.get(s), ".3f") for s in sets),
+                      _num(r["decode_tok_s"], ".1f"), _num(r["output_tok_s"], ".1f"),
                       _num(r["p99_ttft_ms"], ".0f", " ms"), _num(r["p99_tpot_ms"], ".1f", " ms"))
         for key, label in (("perplexity_note", "ppl"), ("decode_note", "decode tok/s"),
                            ("bench_note", "out tok/s, p99 TTFT / TPOT")):

@@ -71,6 +71,22 @@ def progress_bar(description: str):
         yield update
 
 
+def before_after_rows(ba: dict | None) -> list[tuple[str, str]]:
+    """A stage's `perplexity_before_after` as table rows: one per evaluation set, then their protocol (a manifest
+    written before the stages measured several sets: WikiText-2's one row)."""
+    if not ba:
+        return []
+    if "sets" not in ba:
+        return [("perplexity", f"{_change(ba)}, {ba['protocol']}")]
+    skipped = "".join(f"; {name} skipped: {why}" for name, why in ba["skipped"].items())
+    return [(f"perplexity {name}", _change(v)) for name, v in ba["sets"].items()] + [
+        ("perplexity protocol", ba["sets_protocol"] + skipped)]
+
+
+def _change(v: dict) -> str:
+    return f"{v['before']:.4f} -> {v['after']:.4f} ({v['increase_pct']:+.2f}%)"
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -54,7 +54,7 @@ def _silent(*args) -> None:
 class View:
     """What the runner tells the person watching; the CLI's ConsoleView renders it. This default says
     nothing (library use, tests). Calls: stage_start(index, total, spec, refs, output), stage_skip(index, total,
-    spec, why), stage_done(spec, seconds), note(message), artifact(spec, art), evaluated(ref, result),
+    spec, why), stage_done(spec, seconds), note(message), artifact(spec, art), evaluated(ref, {text: result}),
     profiled(report), benched(report)."""
 
     stage_start = stage_skip = stage_done = note = staticmethod(_silent)
@@ -229,17 +229,19 @@ class RecipeRunner:
         self.view.artifact(spec, art)
         return {"output_hash": art.content_hash}
 
-    def _eval(self, spec: StageSpec, run_eval, refs: list[str]) -> dict:
+    def _eval(self, spec: StageSpec, run_evals, refs: list[str]) -> dict:
+        """eval.json: {"metrics": {text: metric key}, "results": {input: {text: result record}}}."""
         from llmopt.stages.eval.run import load_reference
 
         config = spec.built
         reference, results = load_reference(config), {}
         for name, ref in zip(spec.inputs, refs):
             with self.view.hooks(spec) as hooks:
-                result = run_eval(ref, config, hooks, reference=reference)
-            results[name] = result.record()
-            self.view.evaluated(ref, result)
-        return self._write_results(spec, {"eval.json": {"metric": config.metric_key(), "results": results}})
+                measured = run_evals(ref, config, hooks, reference=reference)
+            results[name] = {text: result.record() for text, result in measured.items()}
+            self.view.evaluated(ref, measured)
+        metrics = {one.text: one.metric_key() for one in config.split()}
+        return self._write_results(spec, {"eval.json": {"metrics": metrics, "results": results}})
 
     def _profile(self, spec: StageSpec, run_profile, refs: list[str]) -> dict:
         from llmopt.stages.profile.html import write_report

@@ -11,6 +11,8 @@ from llmopt.stages.errors import ArtifactError, LlmoptError
 
 from .spec import SOURCE, Recipe, StageSpec
 
+MAIN_TEXT = "wikitext2"  # the text whose perplexity a row shows first; the others' follow it (perplexity_sets)
+
 
 def summarize(recipe: Recipe, workdir: Path) -> dict:
     """The comparison of every model of `recipe` run under `workdir` (stages not run yet are noted)."""
@@ -56,13 +58,19 @@ def _source_artifact(ref: str) -> Artifact | None:
 
 
 def _fold_eval(spec: StageSpec, out: Path, rows: dict) -> None:
+    """Each input's perplexity on the first text (WikiText-2 where it was measured) and on the others."""
     data = json.loads((out / "eval.json").read_text())
-    for name, r in data["results"].items():
+    for name, found in data["results"].items():
+        # {text: record}; an eval.json written before eval took several texts holds one record per input
+        by_text = found if "metrics" in data else {data["metric"].split("/")[1]: found}
+        main = MAIN_TEXT if MAIN_TEXT in by_text else next(iter(by_text))
+        r, p = by_text[main], by_text[main]["protocol"]
         rows[name]["perplexity"] = r["perplexity"]
-        p = r["protocol"]
         scope = "all" if r["windows"] == r["windows_available"] else "a subset:"
+        of = "" if main == MAIN_TEXT else f" of {main}"
         rows[name]["perplexity_note"] = (f"{p['name']}, {scope} {r['windows']} of {r['windows_available']} "
-                                         f"windows of {p['seqlen']} tokens")
+                                         f"windows of {p['seqlen']} tokens{of}")
+        rows[name]["perplexity_sets"] = {text: v["perplexity"] for text, v in by_text.items() if text != main}
 
 
 def _fold_profile(spec: StageSpec, out: Path, rows: dict) -> None:
@@ -73,6 +81,7 @@ def _fold_profile(spec: StageSpec, out: Path, rows: dict) -> None:
         if rows[name].get("perplexity") is None and r.get("perplexity") is not None:
             rows[name]["perplexity"] = r["perplexity"]
             rows[name]["perplexity_note"] = r.get("perplexity_protocol")
+            rows[name]["perplexity_sets"] = r.get("perplexity_sets") or {}
 
 
 def _fold_bench(spec: StageSpec, out: Path, rows: dict) -> None:
@@ -105,4 +114,4 @@ def _model_row(name: str, ref: str, made_by: str, art: Artifact | None) -> dict:
     if art is not None:
         size = sum(e["bytes"] for f, e in art.manifest["files"].items() if f.endswith(".safetensors"))
     return {"name": name, "ref": ref, "made_by": made_by, "size_bytes": size, "perplexity": None,
-            "decode_tok_s": None, "output_tok_s": None, "p99_ttft_ms": None, "p99_tpot_ms": None}
+            "perplexity_sets": {}, "decode_tok_s": None, "output_tok_s": None, "p99_ttft_ms": None, "p99_tpot_ms": None}

@@ -114,7 +114,7 @@ def evaluate(artifact: Path, base: Path | None, windows: int) -> dict:
                              "--no-store", "--json"], capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"llmopt eval {artifact} exited {result.returncode}: {result.stderr.strip()[-2000:]}")
-    return json.loads(result.stdout)
+    return json.loads(result.stdout)["wikitext2"]  # {text: result}
 
 
 def table(rows: list[dict], base_ppl: float, windows: int) -> str:

@@ -25,7 +25,7 @@ class Stage:
     """One kind of stage. `run` is its entry point:
 
     - writes_artifact (prune, quantize, shard): run(source_ref, dest, config, force=..., hooks=...) -> Artifact
-    - eval: run(source_ref, config, hooks) -> EvalResult, stored in the source's manifest
+    - eval: run(source_ref, config, hooks) -> {text: EvalResult}, each stored in the source's manifest
     - profile: run(source_refs, config, hooks) -> report
     - bench: run(config, requests, source_ref, hooks) -> BenchOutcome, one server per source
     """
@@ -77,7 +77,7 @@ def _entry_point(kind: str) -> Callable:
     elif kind == "shard":
         from .shard.run import run_shard as run
     elif kind == "eval":
-        from .eval.run import run_eval as run
+        from .eval.run import run_evals as run
     elif kind == "profile":
         from .profile.run import run_profile as run
     else:

@@ -28,6 +28,27 @@ def make_tokenizer(vocab_size: int = 300):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_chat_tokenizer():
+    """`make_tokenizer` with ChatML's markers as added special tokens and a ChatML template: deterministic too."""
+    tok = make_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def few_stdlib_files(monkeypatch, count: int = 12) -> None:
+    """The code evaluation set read from the standard library's first `count` files (in its sorted order) only:
+    for tests about what is done with each set's result, which need not tokenize the whole library's 6 MB."""
+    from llmopt.stages.eval import texts
+
+    files = texts.stdlib_files()[:count]
+    monkeypatch.setattr(texts, "stdlib_files", lambda: files)
+
+
 def make_model(vocab_size: int, seed: int = 0, tie: bool = True, layers: int = 2, hidden: int = 32, heads: int = 4,
                kv_heads: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM

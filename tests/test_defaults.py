@@ -31,7 +31,7 @@ CASES = {
               PruneConfig()),
     "shard": (shard_cmd.run, "llmopt.stages.shard.run.run_shard", ["shard", "SRC", "-o", "OUT"], "shard:",
               ShardConfig()),
-    "eval": (eval_cmd.run, "llmopt.stages.eval.run.run_eval", ["eval", "SRC"], "eval:", EvalConfig()),
+    "eval": (eval_cmd.run, "llmopt.stages.eval.run.run_evals", ["eval", "SRC"], "eval:", EvalConfig()),
     "profile": (profile_cmd.run, "llmopt.stages.profile.run.run_profile", ["profile", "SRC"], "profile:",
                 ProfileConfig()),
     "bench": (bench_cmd.run, "llmopt.stages.bench.run.bench_source", ["bench", "--server", "SRC"], "bench:",
@@ -44,7 +44,7 @@ CLI_ONLY = {
     "shard": {"source", "output", "force", "json"},
     "eval": {"source", "store", "json"},
     "profile": {"sources", "json_file", "html_file", "per_layer"},
-    "bench": {"ctx", "url", "server", "offline", "model", "api_key", "json", "plot", "quiet",
+    "bench": {"ctx", "url", "grpc", "server", "offline", "model", "api_key", "json", "plot", "quiet",
               # vLLM's spellings, folded into --dataset and --slo, and where --save-result writes
               "dataset_path", "goodput", "save_result", "result_dir", "result_filename"},
     "serve": {"ctx", "source", "config"},  # --config FILE: values for the other options

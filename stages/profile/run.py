@@ -107,10 +107,12 @@ def load_source(ref: str, config: ProfileConfig, device: torch.device):
 
 
 def manifest_perplexity(metrics: dict) -> dict | None:
-    """The perplexity an artifact's manifest records (after its stage, else its longest stored eval)."""
+    """The perplexity an artifact's manifest records (after its stage, else its longest stored eval); `sets`:
+    its stage's perplexity on the other evaluation sets (code, chat), where it measured them."""
     after = metrics.get("perplexity_before_after")
     if after:
-        return {"perplexity": after["after"], "protocol": after["protocol"]}
+        sets = {name: v["after"] for name, v in (after.get("sets") or {}).items() if name != after.get("text")}
+        return {"perplexity": after["after"], "protocol": after["protocol"], "sets": sets}
     evals = [(k, v) for k, v in metrics.items()
              if k.startswith("eval/") and "/kl-vs-" not in k and isinstance(v, dict) and "perplexity" in v]
     if not evals:
@@ -233,7 +235,8 @@ def compare(results: list[dict]) -> list[dict]:
         by_batch = {p["batch"]: p["tokens_per_s"] for p in r["decode"]}
         ppl = r["perplexity"] or {}
         rows.append({"source": r["source"], "size_bytes": r["size_bytes"], "perplexity": ppl.get("perplexity"),
-                     "perplexity_protocol": ppl.get("protocol"), "decode_tokens_per_s_b1": by_batch.get(1),
+                     "perplexity_protocol": ppl.get("protocol"), "perplexity_sets": ppl.get("sets") or {},
+                     "decode_tokens_per_s_b1": by_batch.get(1),
                      "decode_tokens_per_s_b16": by_batch.get(16),
                      "bandwidth_share": r["roofline"]["bandwidth_share"],
                      "prefill_tokens_per_s": r["prefill"][-1]["tokens_per_s"] if r["prefill"] else None,

@@ -8,8 +8,10 @@ objects the garbage collector tracks are read after a collection: once after WAR
 to completion (the reference), then every READ_EVERY of the N that follow (fewer for a short soak:
 WARMUP and READ_EVERY are capped at N and N/10). The warm-up ends drained, so it has seen every batch size from --soak-in-flight down to 1:
 the oneDNN primitives built once per matmul shape and allocator pools filled once do not count as
-growth. It fails when a block is still in use at the end or RSS grew by more than
---max-rss-growth-mib.
+growth. It fails when a block is still in use at the end or RSS's trend over the readings, the median
+of the slopes between every pair of them (Theil-Sen) times the requests read, is more than
+--max-rss-growth-mib: a leak grows with the requests, while one late first-time allocation (a prompt
+length the warm-up never drew) is a single step most pairs do not straddle.
 """
 from __future__ import annotations
 
@@ -110,20 +112,34 @@ def run_soak(source: str, config: ProfileConfig, hooks: StageHooks | None = None
     return soak_report(source, config, soak, warm, time.perf_counter() - start)
 
 
+def rss_trend(readings: list) -> float:
+    """MiB that RSS grows over the readings' span of requests, from the median slope between every pair
+    of readings (Theil-Sen): a steady leak shows in most pairs, a single step in few."""
+    slopes = sorted((r1 - r0) / (n1 - n0) for i, (n0, r0, _) in enumerate(readings)
+                    for n1, r1, _ in readings[i + 1:] if n1 != n0)
+    if not slopes:
+        return 0.0
+    mid = len(slopes) // 2
+    median = slopes[mid] if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2
+    return median * (readings[-1][0] - readings[0][0]) / 2**20
+
+
 def soak_report(source: str, config: ProfileConfig, soak: Soak, warm: dict, seconds: float) -> dict:
     stats = soak.engine.stats()
-    growth = (soak.readings[-1][1] - soak.readings[0][1]) / 2**20
+    growth = rss_trend(soak.readings)
     problems = []
     if stats.num_free_blocks != stats.num_blocks or stats.num_running or stats.num_waiting:
         problems.append(f"blocks still in use: {stats.num_blocks - stats.num_free_blocks} of {stats.num_blocks}")
     if growth > config.max_rss_growth_mib:
-        problems.append(f"RSS grew {growth:.1f} MiB after the warm-up (bound {config.max_rss_growth_mib:g} MiB)")
+        problems.append(f"RSS grew {growth:.1f} MiB after the warm-up, its trend over {len(soak.readings)} "
+                        f"readings (bound {config.max_rss_growth_mib:g} MiB)")
     done = {k: soak.counts[k] - warm[k] for k in ("finished", "aborted", "tokens")}
     return {"tool": "llmopt profile --soak", "source": source, "requests": done["finished"],
             "aborted": done["aborted"], "output_tokens": done["tokens"], "seconds": seconds,
             "free_blocks": stats.num_free_blocks, "total_blocks": stats.num_blocks, "running": stats.num_running,
             "waiting": stats.num_waiting, "rss_mib": [[n, r / 2**20] for n, r, _ in soak.readings],
-            "rss_growth_mib": growth, "python_objects": [[n, o] for n, _, o in soak.readings],
+            "rss_growth_mib": growth, "rss_change_mib": (soak.readings[-1][1] - soak.readings[0][1]) / 2**20,
+            "python_objects": [[n, o] for n, _, o in soak.readings],
             "passed": not problems, "problems": problems, "config": config.to_dict()}
 
 
@@ -132,7 +148,7 @@ def soak_tables(report: dict) -> list[TableData]:
                           f"({report['aborted']} aborted after their first token)", ["after requests", "RSS MiB",
                                                                                      "Python objects"])
     t.rows = [[f"{n:,}", f"{r:,.1f}", f"{o:,}"] for (n, r), (_, o) in zip(report["rss_mib"], report["python_objects"])]
-    t.note = (f"free blocks {report['free_blocks']}/{report['total_blocks']}; RSS growth after the warm-up "
-              f"{report['rss_growth_mib']:+.1f} MiB; {report['output_tokens']:,} tokens in {report['seconds']:.0f} s; "
+    t.note = (f"free blocks {report['free_blocks']}/{report['total_blocks']}; RSS trend after the warm-up "
+              f"{report['rss_growth_mib']:+.1f} MiB (last reading {report.get('rss_change_mib', 0.0):+.1f}); {report['output_tokens']:,} tokens in {report['seconds']:.0f} s; "
               + ("passed" if report["passed"] else "FAILED: " + "; ".join(report["problems"])))
     return [t]

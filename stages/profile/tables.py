@@ -32,14 +32,17 @@ def gbps(bytes_per_s: float) -> str:
 
 
 def comparison_table(report: dict) -> TableData:
+    # a column for each other evaluation set a stage measured (code, chat; none in older reports)
+    sets = list(dict.fromkeys(s for r in report["comparison"] for s in r.get("perplexity_sets") or {}))
     t = TableData("comparison", "sources side by side",
-                  ["source", "weights", "perplexity", "decode tok/s b1", "decode tok/s b16", "bandwidth share b1",
-                   "prefill tok/s"])
+                  ["source", "weights", "perplexity", *(f"perplexity {s}" for s in sets), "decode tok/s b1",
+                   "decode tok/s b16", "bandwidth share b1", "prefill tok/s"])
     for r in report["comparison"]:
         prefill = _num(r["prefill_tokens_per_s"], ".0f") + (f" @{r['prefill_len']}" if r["prefill_len"] else "")
+        by_set = r.get("perplexity_sets") or {}
         t.rows.append([r["source"], human_bytes(r["size_bytes"]), _num(r["perplexity"], ".3f"),
-                       _num(r["decode_tokens_per_s_b1"]), _num(r["decode_tokens_per_s_b16"]),
-                       f"{r['bandwidth_share']:.1%}", prefill])
+                       *(_num(by_set.get(s), ".3f") for s in sets), _num(r["decode_tokens_per_s_b1"]),
+                       _num(r["decode_tokens_per_s_b16"]), f"{r['bandwidth_share']:.1%}", prefill])
     protocols = sorted({r["perplexity_protocol"] for r in report["comparison"] if r["perplexity_protocol"]})
     t.note = "perplexity from the artifacts' manifests: " + "; ".join(protocols) if protocols else \
         "no perplexity in the manifests (run llmopt eval, or quantize/prune with --eval-windows)"

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ..artifact import Artifact, ArtifactWriter, check_destination, safetensors_bytes
+from ..calib import resolve_calib
 from ..eval.before_after import perplexity, reusable_artifact, store_before_after
 from ..model_io import model_info, parse_dtype, save_model
 from ..profile.machine import HOST, peak_memory, reset_peak_memory
@@ -26,6 +28,7 @@ def run_prune(source_ref: str, dest: Path, config: PruneConfig, force: bool = Fa
     reset_peak_memory(HOST)  # the run's peak resident set goes into its metrics
     hooks.status(f"loading {source_ref}")
     loaded = load(source_ref, dtype=parse_dtype(config.dtype))
+    config = replace(config, calib=resolve_calib(config.calib, loaded.tokenizer))  # the manifest says what `auto` took
     check_plan(loaded.model, config)
     base = perplexity(loaded.model, loaded.tokenizer, config.eval_windows, hooks, "base",
                       reusable_artifact(loaded, config.dtype))

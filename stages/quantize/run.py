@@ -6,6 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..artifact import Artifact, ArtifactWriter, check_destination, safetensors_bytes
+from ..calib import resolve_calib
 from ..eval.before_after import perplexity, reusable_artifact, store_before_after
 from ..model_io import model_info, parse_dtype, save_model_files
 from ..profile.machine import HOST, peak_memory, reset_peak_memory
@@ -27,6 +28,7 @@ def run_quantize(source_ref: str, dest: Path, config: QuantizeConfig, force: boo
     hooks.status(f"loading {source_ref}")
     loaded = load(source_ref, dtype=parse_dtype(config.dtype))
     check_not_quantized(loaded.model)
+    config = replace(config, calib=resolve_calib(config.calib, loaded.tokenizer))  # the manifest says what `auto` took
     choice = choose_embeddings(loaded.model, config.embeddings, config.method)
     config = replace(config, embeddings=choice.chosen)  # the manifest's config says what auto chose
     if choice.requested == "auto" and choice.chosen == "int8":

@@ -65,7 +65,7 @@ def test_import_inspect_eval_json(tiny_hf, tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 20)
     assert main(["eval", str(out), "--text", str(text), "--seqlen", "32", "--max-windows", "2", "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
+    result = json.loads(capsys.readouterr().out)[str(text)]  # keyed by the text as given
     assert result["windows"] == 2 and result["perplexity"] > 1
     assert main(["inspect", str(out), "--json"]) == 0
     metrics = json.loads(capsys.readouterr().out)["manifest"]["metrics"]

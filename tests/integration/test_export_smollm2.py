@@ -49,5 +49,5 @@ def test_w4a16_g32_exports_to_q4_0_bit_for_bit(smollm_bf16, tmp_path, capsys):
     scores = []
     for model in (art, path):  # the artifact in fp32, and the GGUF through its cached import
         assert main(["eval", str(model), "--max-windows", "1", "--dtype", "fp32", "--no-store", "--json"]) == 0
-        scores.append(json.loads(capsys.readouterr().out)["perplexity"])
+        scores.append(json.loads(capsys.readouterr().out)["wikitext2"]["perplexity"])
     assert scores[1] == pytest.approx(scores[0], rel=1e-4)

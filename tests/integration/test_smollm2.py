@@ -32,7 +32,7 @@ def test_import_and_inspect(smollm_bf16, capsys):
 def test_eval_agrees_with_plain_transformers(smollm_cache, capsys):
     capsys.readouterr()
     assert main(["eval", "smollm2-135m", "--text", "wikitext2", "--max-windows", "2", "--json"]) == 0
-    ours = json.loads(capsys.readouterr().out)
+    ours = json.loads(capsys.readouterr().out)["wikitext2"]
     assert ours["tokens_total"] == 304_986 and ours["windows_available"] == 148
     gguf = str(resolve("smollm2-135m").path)
     ref = subprocess.run([sys.executable, str(REPO / "scripts" / "ppl_reference.py"), gguf,

@@ -45,7 +45,7 @@ def test_options_are_the_stages_own():
     assert {"method", "scheme", "group_size", "nsamples", "eval_windows"} <= set(options_of("quantize"))
     assert "output" not in options_of("quantize") and "json" not in options_of("eval")
     assert options_of("quantize")["nsamples"].default == 128
-    assert set(options_of("shard")) == {"tp", "pp", "pp_layers"}
+    assert set(options_of("shard")) == {"tp", "pp", "pp_layers", "pp_balance"}
     assert KINDS == registry.KINDS
     for kind in KINDS:
         assert options_of(kind)

@@ -78,6 +78,6 @@ def test_from_options_maps_the_command_line_names_onto_the_config():
 def test_the_registry_knows_each_stage_and_refuses_others():
     assert registry.KINDS == ("prune", "quantize", "shard", "eval", "profile", "bench")
     assert [k for k in registry.KINDS if registry.stage(k).writes_artifact] == ["prune", "quantize", "shard"]
-    assert registry.stage("eval").run.__name__ == "run_eval"
+    assert registry.stage("eval").run.__name__ == "run_evals"
     with pytest.raises(ConfigError, match="unknown stage 'serve'; choose one of prune, quantize"):
         registry.stage("serve")

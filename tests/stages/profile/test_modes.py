@@ -42,7 +42,25 @@ def test_a_soak_that_leaks_fails():
     soak.readings = [(0, 100 * 2**20, 10), (40, 140 * 2**20, 10)]
     report = soak_report("m", ProfileConfig(soak=40), soak, dict(soak.counts), 1.0)
     assert not report["passed"] and report["rss_growth_mib"] == 40
-    assert report["problems"] == ["blocks still in use: 4 of 64", "RSS grew 40.0 MiB after the warm-up (bound 32 MiB)"]
+    assert report["problems"] == ["blocks still in use: 4 of 64",
+                                  "RSS grew 40.0 MiB after the warm-up, its trend over 2 readings (bound 32 MiB)"]
+
+
+def _report(rss_mib):
+    stats = SimpleNamespace(num_free_blocks=64, num_blocks=64, num_running=0, num_waiting=0)
+    soak = Soak(SimpleNamespace(stats=lambda: stats), [], None, 4)
+    soak.readings = [(4 * i, int(r * 2**20), 10) for i, r in enumerate(rss_mib)]
+    return soak_report("m", ProfileConfig(soak=40), soak, dict(soak.counts), 1.0)
+
+
+def test_one_late_first_allocation_is_not_a_leak():
+    report = _report([100] + [133] * 10)  # a prompt length the warm-up never drew, then flat
+    assert report["passed"] and report["rss_growth_mib"] == 0 and report["rss_change_mib"] == 33
+
+
+def test_a_steady_leak_fails_even_with_noise():
+    report = _report([100 + 4 * i + (3 if i % 3 == 0 else 0) for i in range(11)])  # 4 MiB every 4 requests
+    assert not report["passed"] and 36 <= report["rss_growth_mib"] <= 44
 
 
 def test_step_shapes_merge_equal_projections():

@@ -9,6 +9,7 @@ import pytest
 from llmopt.stages.errors import SourceError
 from llmopt.stages.profile.html import render_html, write_report
 from llmopt.stages.profile.run import manifest_perplexity, run_profile
+from llmopt.stages.profile.tables import comparison_table
 from tests.stages.profile.conftest import PPL, TINY
 
 
@@ -91,6 +92,22 @@ def test_manifest_perplexity_prefers_the_stage_result_then_the_longest_eval():
     assert manifest_perplexity(evals)["perplexity"] == 8.0
     assert manifest_perplexity({**evals, "perplexity_before_after": PPL})["perplexity"] == PPL["after"]
     assert manifest_perplexity({"size_bytes": 3}) is None
+
+
+def test_the_comparison_shows_each_evaluation_set_a_stage_measured(report):
+    """A stage's before/after on several sets: WikiText-2 in the perplexity column, the others beside it."""
+    sets = {"wikitext2": {"before": 10.0, "after": 12.5, "increase_pct": 25.0},
+            "code": {"before": 3.0, "after": 3.3, "increase_pct": 10.0}}
+    found = manifest_perplexity({"perplexity_before_after": {**PPL, "text": "wikitext2", "sets": sets}})
+    assert (found["perplexity"], found["sets"]) == (12.5, {"code": 3.3})
+    assert manifest_perplexity({"perplexity_before_after": PPL})["sets"] == {}  # written before the sets
+    base, w4 = report["comparison"]
+    rows = [{**base, "perplexity_sets": {}}, {**w4, "perplexity_sets": {"code": 3.3}}]
+    table = comparison_table({**report, "comparison": rows})
+    assert table.columns[2:4] == ["perplexity", "perplexity code"] and [r[3] for r in table.rows] == ["-", "3.300"]
+    old = comparison_table({**report, "comparison": [{k: v for k, v in r.items() if k != "perplexity_sets"}
+                                                     for r in report["comparison"]]})
+    assert "perplexity code" not in old.columns  # a report written before the sets
 
 
 def test_html_report_has_its_sections_and_embedded_plots(report, tmp_path):

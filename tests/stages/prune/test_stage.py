@@ -10,6 +10,7 @@ from llmopt.stages.errors import ConfigError
 from llmopt.stages.prune.config import PruneConfig
 from llmopt.stages.prune.run import run_prune
 from llmopt.stages.safetensors_io import load_dir
+from tests.helpers import few_stdlib_files
 
 
 def _config(calib_text, **kw):
@@ -114,7 +115,8 @@ def test_pruned_then_gptq_keeps_every_zero(tiny_hf, tmp_path, calib_text):
         assert ((q.reshape(q.shape[0], -1, 4) != 0).sum(-1) <= 2).all(), name  # still 2:4 at most
 
 
-def test_perplexity_before_and_after_are_recorded(tiny_hf, tmp_path, calib_text):
+def test_perplexity_before_and_after_are_recorded(tiny_hf, tmp_path, calib_text, monkeypatch):
+    few_stdlib_files(monkeypatch)  # the code set from a few files: this test is about the record
     art = run_prune(str(tiny_hf[0]), tmp_path / "p", _config(calib_text, method="magnitude", eval_windows=1))
     ba = art.manifest["metrics"]["perplexity_before_after"]
     assert ba["before"] > 1 and ba["after"] > 1 and "first 1 windows" in ba["protocol"]

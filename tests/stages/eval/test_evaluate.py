@@ -5,7 +5,8 @@ import torch
 
 from llmopt.stages.errors import ConfigError, DataError
 from llmopt.stages.eval.config import EvalConfig
-from llmopt.stages.eval.perplexity import build_text, evaluate, load_rows, tokenize_windows
+from llmopt.stages.eval.measure import evaluate
+from llmopt.stages.eval.perplexity import build_text, load_rows, tokenize_windows
 from tests.helpers import CORPUS, make_model
 
 
