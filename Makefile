@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo proto bench-grpc quality-domains bench bench-llamacpp bench-pp bench-scale-out peer-quality bench-gguf-export bench-engine bench-kernels fuzz compile-check gpu-wheels clean
+.PHONY: venv test test-fast demo proto bench-ci bench-grpc quality-domains bench bench-llamacpp bench-pp bench-scale-out peer-quality bench-gguf-export bench-engine bench-kernels fuzz compile-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -137,6 +137,18 @@ PP_ARGS ?=
 DOMAIN_CALIBS ?= wikitext2-valid:0.3,sharegpt:0.5,code:0.2
 quality-domains: $(STAMP) $(ART)/base/llmopt.json
 	$(PY) scripts/calib_domains.py $(ART)/base $(foreach c,$(DOMAIN_CALIBS),--calib $(c)) --out $(BENCH_OUT)/domains $(DOMAIN_ARGS)
+
+# The performance gate .ci/run runs after `make test` (scripts/bench_ci.py, docs/ci.md#llmopts-own-gate-make-bench-ci):
+# llmopt serve on the W4A16 artifact against transformers' server (--engine hf) on the float one, the same small
+# load, alternating, medians of CI_ROUNDS each; `llmopt bench compare` holds the llmopt/transformers ratios to
+# CI_GATE and the llmopt server's peak RSS to CI_MAX_RSS_MIB. Reports in $(BENCH_OUT)/ci.
+CI_ROUNDS ?= 2
+CI_GATE ?= --min-ratio output_throughput=4 --max-ratio p50_ttft_ms=0.6 --max-ratio p50_tpot_ms=0.3
+CI_MAX_RSS_MIB ?= 1200
+CI_ARGS ?=
+bench-ci: $(STAMP) $(ART)/base/llmopt.json $(ART)/w4a16/llmopt.json
+	$(PY) scripts/bench_ci.py --llmopt $(ART)/w4a16 --baseline $(ART)/base --rounds $(CI_ROUNDS) $(CI_GATE) \
+	    --max-rss-mib $(CI_MAX_RSS_MIB) --out $(BENCH_OUT)/ci $(CI_ARGS)
 
 # gRPC against HTTP on one `llmopt serve --grpc-port` (scripts/bench_grpc.py, docs/grpc.md): median ITL and the
 # server's CPU time per output token, both protocols under the same load, alternating rounds; on a 2-layer random

@@ -90,17 +90,28 @@ def notes(report: dict) -> list[str]:
     return lines
 
 
-def render_compare(rows, base_name: str, new_name: str, bound: float) -> None:
-    table = Table(title=f"compare (regression bound {bound:.0%})", title_justify="left")
+def render_compare(rows, base_name: str, new_name: str, bound: float | None, checks=()) -> None:
+    """The comparison table; with ratio bounds (`checks`), NEW/BASE of every row and each bound's verdict."""
+    title = "compare (no regression bound)" if bound is None else f"compare (regression bound {bound:.0%})"
+    table = Table(title=title, title_justify="left")
     table.add_column("metric")
-    for column in (base_name, new_name, "change", ""):
+    for column in (base_name, new_name, "change", "", *(("ratio", "ratio bound") if checks else ())):
         table.add_column(column, justify="right")
     for row in rows:
         change = "" if row.change is None else f"{row.change:+.1%}"
         style = VERDICT_STYLE.get(row.verdict, "")
-        table.add_row(row.metric, _num(row.base), _num(row.new), change,
-                      f"[{style}]{row.verdict}[/{style}]" if style else row.verdict)
+        cells = [row.metric, _num(row.base), _num(row.new), change,
+                 f"[{style}]{row.verdict}[/{style}]" if style else row.verdict]
+        if checks:
+            cells += ["" if row.ratio is None else f"{row.ratio:.3g}x", _ratio_verdicts(row.metric, checks)]
+        table.add_row(*cells)
     out.print(table)
+
+
+def _ratio_verdicts(metric: str, checks) -> str:
+    """'>= 3x ok', '<= 1x FAIL', both for a metric bounded both ways."""
+    return ", ".join(f"{c.bound} ok" if c.holds else f"{c.bound} [bold red]FAIL[/bold red]"
+                     for c in checks if c.bound.metric == metric)
 
 
 def render_offline(report: dict) -> None:

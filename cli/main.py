@@ -37,7 +37,7 @@ COMMANDS = (
     ("route", "route_cmd", "One endpoint in front of serve replicas: round-robin, least-load or cache-aware, health ejection, retries."),
 )
 BENCH_COMMANDS = (
-    ("compare", "bench_compare_cmd", "Side-by-side table of two --json reports; exit 1 on a regression beyond the bound."),
+    ("compare", "bench_compare_cmd", "Side-by-side table of two --json reports; exit 1 on a regression beyond the bound or a NEW/BASE ratio outside --min-ratio/--max-ratio."),
     ("summary", "bench_summary_cmd", "One Markdown table of a folder of NAME-cC.json reports (make bench), ratios to a baseline."),
 )
 BENCH_HELP = ("Load-test an OpenAI-compatible server: throughput, TTFT, TPOT, ITL and end-to-end latency; or, with "

@@ -9,6 +9,8 @@ and `num_blocks`, `block_size`, `max_model_len` (see `stages/serve/runner.py`).
 """
 from __future__ import annotations
 
+import os
+import time
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -95,6 +97,7 @@ class LLMEngine:
         self.thread_governor = None  # CPU: set by the command (llmopt.kernels.threads.governor_for), ticked per step
         self.speculator = _speculator(self.config.speculative, proposer, getattr(runner, "max_fused_rows", None))
         self.iteration_tokens = IterationTokens()
+        self.slowdown = step_slowdown()  # 1.0 unless the CI gate's test hook is set
         self.pipeline_depth = getattr(runner, "pipeline_depth", 1)  # micro-batches a pipeline keeps in flight
         if self.pipeline_depth > 1 and self.speculator is not None:
             raise ValueError("speculative decoding does not run on a pipeline-parallel model yet")
@@ -147,7 +150,11 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(batch, self.scheduler)
         self.iteration_tokens.observe(batch.num_tokens)
-        return self._finish(batch, self.runner.execute(build_step_input(batch, self.config.block_size)))
+        start = time.perf_counter() if self.slowdown > 1 else 0.0
+        outputs = self._finish(batch, self.runner.execute(build_step_input(batch, self.config.block_size)))
+        if self.slowdown > 1:  # the test hook: the step takes `slowdown` times as long
+            time.sleep((self.slowdown - 1) * (time.perf_counter() - start))
+        return outputs
 
     def _pipelined_step(self) -> list[RequestOutput]:
         """vLLM's virtual engines with one scheduler: while fewer than `pipeline_depth` micro-batches are in
@@ -224,6 +231,25 @@ def _output(seq: Sequence, tokens: list[int], logprobs) -> RequestOutput:
         num_output_tokens=seq.num_output_tokens, logprobs=logprobs, arrival_time=seq.arrival_time,
         first_token_time=seq.first_token_time, finish_time=seq.finish_time,
         first_scheduled_time=seq.first_scheduled_time)
+
+
+SLOWDOWN_ENV = "LLMOPT_TEST_SLOW_STEP"
+
+
+def step_slowdown() -> float:
+    """The test hook that `make bench-ci`'s own check uses (docs/ci.md): LLMOPT_TEST_SLOW_STEP=2 makes every engine
+    step sleep as long again as it ran, a deliberate 2x slowdown for the performance gate to catch. Unset (as it
+    ships), 1.0: the step is not timed at all."""
+    raw = os.environ.get(SLOWDOWN_ENV, "").strip()
+    if not raw:
+        return 1.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 1.0 <= value <= 100.0:
+        raise ValueError(f"{SLOWDOWN_ENV}={raw!r}: give the factor a step is slowed by, from 1 to 100 (a test hook)")
+    return value
 
 
 def _speculator(config: SpeculativeConfig | None, proposer, max_rows: int | None) -> Speculator | None:

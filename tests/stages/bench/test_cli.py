@@ -142,6 +142,39 @@ def test_compare_bad_input_is_one_line(tmp_path, capsys):
     assert "--max-regression 'ten'" in _one_error_line(capsys)
 
 
+def test_compare_ratio_bounds_pass_and_fail(tmp_path, capsys):
+    base = _report(tmp_path / "hf.json", output_throughput=20.0, request_throughput=1.0, median_ttft_ms=50.0)
+    new = _report(tmp_path / "new.json", output_throughput=65.0, request_throughput=2.5, median_ttft_ms=40.0,
+                  p99_ttft_ms=90.0)  # +80% p99 TTFT: no regression gate unless --max-regression is given
+    gate = ["bench", "compare", str(base), str(new), "--max-ratio", "p50_ttft_ms=1.0"]
+    assert main([*gate, "--min-ratio", "output_throughput=3,request_throughput=2"]) == 0
+    captured = capsys.readouterr()
+    assert "ratio bounds hold: output_throughput 20 -> 65 = 3.25x, meets --min-ratio 3" in captured.out
+    assert "ratio bound" in captured.out and "3.25x" in captured.out and captured.err == ""
+    assert main([*gate, "--min-ratio", "output_throughput=3", "--min-ratio", "request_throughput=3"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "ratio: request_throughput 1 -> 2.5 = 2.5x, below --min-ratio 3"
+    assert main([*gate, "--min-ratio", "output_throughput=3", "--max-regression", "10%"]) == 1
+    assert capsys.readouterr().err.startswith("regression: p99_ttft_ms 50 -> 90")
+    assert main(["bench", "compare", str(base), str(new), "--max-ratio", "p50_ttft_ms=0.5", "--metric", "failed"]) == 1
+    captured = capsys.readouterr()
+    assert "median_ttft_ms" in captured.out  # a bounded metric stays in the table that --metric narrows
+    assert captured.err.strip() == "ratio: median_ttft_ms 50 -> 40 = 0.8x, above --max-ratio 0.5"
+
+
+@pytest.mark.parametrize("bound, says", [
+    ("speed=3", "--min-ratio 'speed=3': unknown metric speed"),
+    ("output_throughput=abc", "--min-ratio 'output_throughput=abc': 'abc' is not a number"),
+    ("output_throughput", "--min-ratio 'output_throughput': write METRIC=RATIO"),
+    ("output_throughput=0", "--min-ratio 'output_throughput=0': the ratio NEW/BASE must be a positive"),
+    ("mean_itl_ms=1", "--min-ratio mean_itl_ms: base.json has no mean_itl_ms"),
+    ("failed=1", "--min-ratio failed: base.json has failed = 0, so NEW/BASE is undefined")])
+def test_compare_bad_ratio_bound_is_one_line(tmp_path, capsys, bound, says):
+    base = _report(tmp_path / "base.json")
+    assert main(["bench", "compare", str(base), str(base), "--min-ratio", bound]) == 2
+    assert says in _one_error_line(capsys)
+
+
 def test_interrupt_prints_the_partial_report(stub_url, tmp_path, monkeypatch, capsys):
     @contextmanager
     def interrupting(total, quiet=False):

@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from llmopt.stages.bench.gate import Bound, broken_bounds, compare, direction, parse_fail_on, parse_fraction
+from llmopt.stages.bench.gate import (Bound, RatioBound, broken_bounds, check_ratios, compare, direction, parse_fail_on,
+                                      parse_fraction, parse_ratios, regression_bound)
 from llmopt.stages.bench.plot import write_plot
 from llmopt.stages.errors import ConfigError
 
@@ -18,6 +19,7 @@ def test_fail_on_parses_and_names_the_broken_bound():
     assert broken_bounds(parse_fail_on("p99_ttft_ms>1000,output_throughput<=41"), REPORT) == []
     assert "not available" in broken_bounds(parse_fail_on("request_goodput<1"), REPORT)[0]
     assert parse_fail_on("") == [] and parse_fail_on(None) == []
+    assert parse_fail_on("p50_ttft_ms>5") == [Bound("median_ttft_ms", ">", 5.0)]  # p50_X is the report's median_X
 
 
 @pytest.mark.parametrize("text", ["p99_ttft_ms", "p99_ttft_ms>>5", "p99_ttft_ms>fast", "nonsense>1", "x>1e"])
@@ -44,6 +46,59 @@ def test_compare_verdicts():
     assert compare(base, {**new, "failed": 1}, 0.1, ["failed"])[0].verdict == "REGRESSION"
     with pytest.raises(ConfigError, match="unknown metric"):
         compare(base, new, 0.1, ["speed"])
+
+
+def test_compare_without_a_regression_bound_never_says_regression():
+    rows = {r.metric: r for r in compare({"p99_ttft_ms": 50.0}, {"p99_ttft_ms": 80.0}, None)}
+    assert rows["p99_ttft_ms"].verdict == "worse" and rows["p99_ttft_ms"].ratio == pytest.approx(1.6)
+    assert compare({"failed": 0}, {"failed": 2}, None, ["failed"])[0].ratio is None  # no ratio from a base of 0
+    assert compare({"median_ttft_ms": 5.0}, {"median_ttft_ms": 5.0}, 0.1, ["p50_ttft_ms"])[0].metric == "median_ttft_ms"
+
+
+def test_ratio_bounds_parse_from_repeats_and_comma_lists():
+    bounds = parse_ratios(["output_throughput=3, request_throughput=2x", "p50_ttft_ms=1.0"], "--min-ratio")
+    assert bounds == [RatioBound("output_throughput", "--min-ratio", 3.0),
+                      RatioBound("request_throughput", "--min-ratio", 2.0),
+                      RatioBound("median_ttft_ms", "--min-ratio", 1.0)]  # p50_X is the report's median_X
+    assert parse_ratios(None, "--max-ratio") == [] and parse_ratios([""], "--max-ratio") == []
+
+
+@pytest.mark.parametrize("text, says", [("speed=3", "unknown metric speed"), ("output_throughput=abc", "not a number"),
+                                        ("output_throughput", "write METRIC=RATIO"), ("=3", "unknown metric"),
+                                        ("output_throughput=0", "positive"), ("output_throughput=-2", "positive"),
+                                        ("output_throughput=inf", "positive")])
+def test_bad_ratio_bound_is_a_config_error(text, says):
+    with pytest.raises(ConfigError, match=f"--max-ratio '{text}': .*{says}"):
+        parse_ratios([text], "--max-ratio")
+
+
+def test_ratio_checks_hold_and_break():
+    base = {"output_throughput": 20.0, "median_ttft_ms": 50.0}
+    new = {"output_throughput": 65.0, "median_ttft_ms": 60.0}
+    bounds = parse_ratios(["output_throughput=3"], "--min-ratio") + parse_ratios(["p50_ttft_ms=1"], "--max-ratio")
+    throughput, ttft = check_ratios(bounds, base, new)
+    assert throughput.holds and throughput.ratio == pytest.approx(3.25)
+    assert not ttft.holds and str(ttft) == "median_ttft_ms 50 -> 60 = 1.2x, above --max-ratio 1"
+    short = check_ratios(parse_ratios(["output_throughput=4"], "--min-ratio"), base, new)[0]
+    assert str(short) == "output_throughput 20 -> 65 = 3.25x, below --min-ratio 4"
+    empty = check_ratios(bounds[1:], base, {**new, "median_ttft_ms": None})[0]  # no completed request: fails
+    assert not empty.holds and "null" in str(empty)
+
+
+@pytest.mark.parametrize("base, new, says", [({}, {"failed": 1}, "b.json has no failed"),
+                                             ({"failed": 1}, {}, "n.json has no failed"),
+                                             ({"failed": 0}, {"failed": 1}, "b.json has failed = 0"),
+                                             ({"failed": None}, {"failed": 1}, "b.json has failed = null")])
+def test_ratio_of_a_missing_or_zero_base_is_a_config_error(base, new, says):
+    with pytest.raises(ConfigError, match=f"--min-ratio failed: {says}"):
+        check_ratios([RatioBound("failed", "--min-ratio", 1.0)], base, new, ("b.json", "n.json"))
+
+
+def test_max_regression_applies_when_given_or_when_no_ratio_bound_is():
+    ratios = [RatioBound("output_throughput", "--min-ratio", 3.0)]
+    assert regression_bound(None, []) == pytest.approx(0.1)
+    assert regression_bound(None, ratios) is None
+    assert regression_bound("5%", ratios) == pytest.approx(0.05)
 
 
 def test_plot_of_a_run_without_completions(tmp_path):

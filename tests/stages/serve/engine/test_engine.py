@@ -337,3 +337,31 @@ def test_a_dying_loop_fails_every_waiter_and_turns_unhealthy(tiny):
     asyncio.run(main(eng))
     assert not eng.is_healthy and isinstance(eng.error, Broken)
     eng.shutdown()
+
+
+def test_the_ci_gates_slowdown_hook_sleeps_as_long_again_as_each_step_ran(tiny, monkeypatch):
+    """LLMOPT_TEST_SLOW_STEP=2 (make bench-ci's deliberate regression): each step sleeps (2 - 1) x its own time,
+    measured with the clock the engine reads; unset, nothing sleeps and the outputs are the same."""
+    from llmopt.stages.serve.engine import engine as engine_module
+
+    plain = engine(tiny).generate(PROMPTS[:2], GREEDY)
+    clock, sleeps = iter(range(0, 10**6, 3)), []  # every step "runs" 3 s
+    monkeypatch.setattr(engine_module.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(engine_module.time, "sleep", sleeps.append)
+    monkeypatch.setenv("LLMOPT_TEST_SLOW_STEP", "2")
+    slowed = engine(tiny).generate(PROMPTS[:2], GREEDY)
+    assert [o.token_ids for o in slowed] == [o.token_ids for o in plain]
+    assert sleeps and set(sleeps) == {3.0}
+    monkeypatch.delenv("LLMOPT_TEST_SLOW_STEP")
+    sleeps.clear()
+    engine(tiny).generate(PROMPTS[:2], GREEDY)
+    assert sleeps == []
+
+
+@pytest.mark.parametrize("value", ["fast", "0.5", "1000"])
+def test_the_slowdown_hook_refuses_a_factor_it_cannot_mean(monkeypatch, value):
+    from llmopt.stages.serve.engine.engine import step_slowdown
+
+    monkeypatch.setenv("LLMOPT_TEST_SLOW_STEP", value)
+    with pytest.raises(ValueError, match="LLMOPT_TEST_SLOW_STEP"):
+        step_slowdown()
