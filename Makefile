@@ -31,7 +31,7 @@ $(GEMMA3_STAMP): $(STAMP)
 	touch $(GEMMA3_STAMP)
 
 test: $(STAMP) $(GEMMA3_STAMP)
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=25 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not integration" tests
@@ -134,7 +134,7 @@ bench-gguf-export: $(STAMP)
 PP_ARGS ?=
 # Quantization quality off the calibration domain (scripts/calib_domains.py, docs/quantize.md): RTN and GPTQ W4 g64
 # calibrated on wikitext2-valid and on each mix in DOMAIN_CALIBS, scored on wikitext2, code and chat.
-DOMAIN_CALIBS ?= wikitext2-valid:0.3,sharegpt:0.5,code:0.2
+DOMAIN_CALIBS ?= wikitext2-valid:1,sharegpt:1,code:1 wikitext2-valid:0.3,sharegpt:0.5,code:0.2
 quality-domains: $(STAMP) $(ART)/base/llmopt.json
 	$(PY) scripts/calib_domains.py $(ART)/base $(foreach c,$(DOMAIN_CALIBS),--calib $(c)) --out $(BENCH_OUT)/domains $(DOMAIN_ARGS)
 
@@ -143,12 +143,13 @@ quality-domains: $(STAMP) $(ART)/base/llmopt.json
 # load, alternating, medians of CI_ROUNDS each; `llmopt bench compare` holds the llmopt/transformers ratios to
 # CI_GATE and the llmopt server's peak RSS to CI_MAX_RSS_MIB. Reports in $(BENCH_OUT)/ci.
 CI_ROUNDS ?= 2
-CI_GATE ?= --min-ratio output_throughput=4 --max-ratio p50_ttft_ms=0.6 --max-ratio p50_tpot_ms=0.3
-CI_MAX_RSS_MIB ?= 1200
+CI_GATE ?= --min-ratio output_throughput=0.8 --max-ratio p50_ttft_ms=1.5 --max-ratio p50_tpot_ms=1.1
+CI_MAX_RSS_MIB ?= 1600
+CI_SERVE_ARGS ?= --kv-cache-memory 512MiB
 CI_ARGS ?=
 bench-ci: $(STAMP) $(ART)/base/llmopt.json $(ART)/w4a16/llmopt.json
 	$(PY) scripts/bench_ci.py --llmopt $(ART)/w4a16 --baseline $(ART)/base --rounds $(CI_ROUNDS) $(CI_GATE) \
-	    --max-rss-mib $(CI_MAX_RSS_MIB) --out $(BENCH_OUT)/ci $(CI_ARGS)
+	    --serve-args "$(CI_SERVE_ARGS)" --max-rss-mib $(CI_MAX_RSS_MIB) --out $(BENCH_OUT)/ci $(CI_ARGS)
 
 # gRPC against HTTP on one `llmopt serve --grpc-port` (scripts/bench_grpc.py, docs/grpc.md): median ITL and the
 # server's CPU time per output token, both protocols under the same load, alternating rounds; on a 2-layer random

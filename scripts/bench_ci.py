@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 LLMOPT = [sys.executable, "-m", "llmopt.cli.main"]
-LOAD = ("--dataset sharegpt --num-prompts 12 --output-len 32 --ignore-eos --request-rate inf --max-concurrency 4 "
+LOAD = ("--dataset sharegpt --num-prompts 8 --output-len 32 --ignore-eos --request-rate inf --max-concurrency 4 "
         "--warmup 1 --seed 0 --quiet")
 # The figures the gate reads, with the direction that is better; every other metric is reported, not gated.
 GATED = {"output_throughput": "higher", "median_ttft_ms": "lower", "median_tpot_ms": "lower"}
@@ -40,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-ratio", action="append", default=[], metavar="METRIC=X")
     parser.add_argument("--max-rss-mib", type=float, default=None, help="the llmopt server's peak RSS bound")
     parser.add_argument("--load", default=LOAD, help="llmopt bench options for both sides")
+    parser.add_argument("--serve-args", default="", help="llmopt serve options for the llmopt side (e.g. the KV "
+                        "cache's size, which is most of its RSS)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/ci"))
     args = parser.parse_args(argv)
     if args.rounds < 1:
@@ -117,8 +119,10 @@ def _num(value, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
-def bench(source: str, engine: str, load: str, path: Path) -> dict:
+def bench(source: str, engine: str, load: str, path: Path, serve_args: str = "") -> dict:
     cmd = [*LLMOPT, "bench", "--server", source, "--engine", engine, *shlex.split(load), "--json", str(path)]
+    if serve_args:
+        cmd += ["--serve-args", serve_args]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{shlex.join(cmd[2:])} failed (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
@@ -133,17 +137,19 @@ def main(argv=None) -> int:
         source = args.llmopt if side == "llmopt" else args.baseline
         print(f"== {side} on {source}, round {r} ({time.perf_counter() - start:.0f} s so far)", file=sys.stderr,
               flush=True)
-        runs[side].append(bench(source, side, args.load, args.out / f"{side}-r{r}.json"))
+        serve_args = args.serve_args if side == "llmopt" else ""
+        runs[side].append(bench(source, side, args.load, args.out / f"{side}-r{r}.json", serve_args))
     ours, base = median_report(runs["llmopt"]), median_report(runs[args.baseline_engine])
     (args.out / "llmopt.json").write_text(json.dumps(ours, indent=1))
     (args.out / "baseline.json").write_text(json.dumps(base, indent=1))
-    text = (f"make bench-ci: llmopt ({args.llmopt}) against {args.baseline_engine} ({args.baseline}), medians of "
-            f"{args.rounds} alternating rounds; load: {args.load}\n\n"
+    text = (f"make bench-ci: llmopt ({args.llmopt}{', ' + args.serve_args if args.serve_args else ''}) against "
+            f"{args.baseline_engine} ({args.baseline}), medians of {args.rounds} alternating rounds; load: {args.load}\n\n"
             + table(ours, base, args.baseline_engine, bound_texts(args.min_ratio, args.max_ratio), args.max_rss_mib))
     (args.out / "ci.md").write_text(text + "\n")
     print(text, flush=True)
     compare = [*LLMOPT, "bench", "compare", str(args.out / "baseline.json"), str(args.out / "llmopt.json"),
-               *(f"--min-ratio={b}" for b in args.min_ratio), *(f"--max-ratio={b}" for b in args.max_ratio)]
+               *(f"--min-ratio={b}" for b in args.min_ratio), *(f"--max-ratio={b}" for b in args.max_ratio),
+               *(f"--metric={m}" for m in GATED)]
     gate = subprocess.run(compare)
     problem = rss_problem(ours, args.max_rss_mib)
     if problem:
