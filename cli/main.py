@@ -50,6 +50,7 @@ ENVIRONMENT = (
     ("LLMOPT_DATA_DIR", "Folder of the built-in data sets for --calib and eval (default ../shared/data)."),
     ("LLMOPT_API_KEY", "Bearer token that serve requires and bench sends (as --api-key)."),
     ("LLAMA_SERVER", "The llama-server binary for bench --engine llama-server (default: the one on PATH)."),
+    ("LLMOPT_TEST_SLOW_STEP", "Test hook, off unless set: each engine step sleeps (N - 1) times its own time (docs/ci.md)."),
 )
 HELP_WIDTH = 120  # columns of --help when stdout is not a terminal and neither COLUMNS nor TERMINAL_WIDTH says
 
