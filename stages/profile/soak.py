@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -115,13 +116,9 @@ def run_soak(source: str, config: ProfileConfig, hooks: StageHooks | None = None
 def rss_trend(readings: list) -> float:
     """MiB that RSS grows over the readings' span of requests, from the median slope between every pair
     of readings (Theil-Sen): a steady leak shows in most pairs, a single step in few."""
-    slopes = sorted((r1 - r0) / (n1 - n0) for i, (n0, r0, _) in enumerate(readings)
-                    for n1, r1, _ in readings[i + 1:] if n1 != n0)
-    if not slopes:
-        return 0.0
-    mid = len(slopes) // 2
-    median = slopes[mid] if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2
-    return median * (readings[-1][0] - readings[0][0]) / 2**20
+    slopes = [(r1 - r0) / (n1 - n0) for i, (n0, r0, _) in enumerate(readings)
+              for n1, r1, _ in readings[i + 1:] if n1 != n0]
+    return statistics.median(slopes) * (readings[-1][0] - readings[0][0]) / 2**20 if slopes else 0.0
 
 
 def soak_report(source: str, config: ProfileConfig, soak: Soak, warm: dict, seconds: float) -> dict:
