@@ -95,17 +95,25 @@ def cached_perplexities(path: Path, windows: int, cache: Path) -> dict[str, floa
     """perplexities(path, windows), read from `cache` when it holds them for this very artifact (its manifest's
     hash) and these windows, else measured and written there."""
     key = {"manifest_sha256": manifest_hash(path), "windows": windows, "sets": list(SETS)}
-    try:
-        data = json.loads(cache.read_text())
-        if {k: data.get(k) for k in key} == key:
-            return {s: float(data["perplexity"][s]) for s in SETS}
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    stored = read_cache(cache)
+    if stored is not None and {k: stored.get(k) for k in key} == key:
+        return {s: float(stored["perplexity"][s]) for s in SETS}
     scores = perplexities(path, windows)
     tmp = cache.with_suffix(".tmp")
     tmp.write_text(json.dumps({**key, "perplexity": scores}, indent=1))
     tmp.replace(cache)
     return scores
+
+
+def read_cache(cache: Path) -> dict | None:
+    """A score file's contents, or None when there is none or it is not one (unreadable, not JSON, no score of
+    every set): then the artifact is scored again."""
+    try:
+        data = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(data, dict) and isinstance(data.get("perplexity"), dict) and set(SETS) <= set(data["perplexity"])
+    return data if ok else None
 
 
 def perplexities(path: Path, windows: int) -> dict[str, float]:

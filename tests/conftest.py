@@ -30,8 +30,8 @@ def isolated_cache(tmp_path, monkeypatch):
 def integration_files_first(items) -> None:
     """Reorder `items` in place: the files that hold an integration test (the embedded models, servers, the README's
     quickstart: minutes each) before the rest, each file's tests kept together and in order. `make test` runs files
-    on two workers (pytest-xdist --dist loadfile), which take files in this order: the long ones start first and the
-    many short ones fill in beside them, instead of one long file starting last and running alone."""
+    on two workers (pytest-xdist --dist loadfile), which are handed files in this order: the long files go out before
+    the ~2,000 short tests, which then fill in beside them, instead of a long file coming last and running alone."""
     def file_of(item):
         return item.nodeid.split("::", 1)[0]
 
