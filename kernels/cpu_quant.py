@@ -20,14 +20,17 @@ becoming compute-bound on unpacking:
 The packed weight-only kernels are GEMV kernels: from PREFILL_MIN_ROWS_* rows (prefill) they
 lose to the native prefill kernels (`cpu_prefill`: AMX, else a dequantized bf16 scratch +
 oneDNN), so the weight-only paths switch there; where those cannot take the layout, from
-DEQUANT_MIN_ROWS_* rows to a transient bf16 weight dequantized by torch ops + a bf16 GEMM.
-fbgemm's int8 GEMM stays fastest at every batch size.
+DEQUANT_MIN_ROWS_* rows to a transient weight dequantized by torch ops + a GEMM: bf16 where oneDNN has a bf16
+GEMM on this CPU (AVX-512 or AVX-NE-CONVERT), else fp32 (on AVX2 alone torch's own bf16 GEMM is the slow
+reference loop: 12.7 ms against fp32's 2.5 for 128 rows of a 576 x 1536 W4 layer, 2.3 s against 17 ms for
+a 1024^3 matmul, 2 vCPU AVX2, 2026-12-07). fbgemm's int8 GEMM stays fastest at every batch size.
 
 Each `pack_*` returns None for shapes/layouts its kernel cannot take; the CPU backends
 (`cpu_backends`) then route the layer elsewhere. Nothing here is imported by the Triton path.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -37,7 +40,7 @@ from .cpu_prefill import PrefillWeight, pack_w4a16_prefill, pack_w8a16_prefill, 
 from .wq_matmul import dequantize, resolve_group_size, unpack_int4_stored, unpack_zero_point_stored, w4a16_dequantize
 
 _INT4_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu accepts
-# Weight-only paths: from this many rows, a transient bf16 weight + bf16 GEMM beats the packed
+# Weight-only paths: from this many rows, a transient weight + GEMM (`dequant_gemm_dtype`) beats the packed
 # kernel (measured on SmolLM2's shapes; unpacking int4 costs more than converting int8, and
 # the 576x49152 lm_head's transient weight spills the cache, hence the margin).
 DEQUANT_MIN_ROWS_W4 = 128
@@ -48,6 +51,13 @@ DEQUANT_MIN_ROWS_W8 = 64
 # scratch + oneDNN) the crossover is nearer 16-32 rows.
 PREFILL_MIN_ROWS_W4 = 16
 PREFILL_MIN_ROWS_W8 = 16
+
+
+@functools.lru_cache(maxsize=1)
+def dequant_gemm_dtype() -> torch.dtype:
+    """The dtype of the transient weight and GEMM of the dequantizing routes: bf16 where oneDNN multiplies bf16
+    on this CPU, else fp32 (torch's fallback bf16 GEMM is several to a hundred times slower than its fp32 one)."""
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
 @dataclass(frozen=True)
@@ -99,16 +109,17 @@ def w4a16_cpu_matmul(x, weight: Int4CpuWeight):
 
     Few rows (decode): the int4 kernel, which streams 4-bit weights. From PREFILL_MIN_ROWS_W4
     rows the native prefill kernel (`cpu_prefill`), where it takes the layout; without it, from
-    DEQUANT_MIN_ROWS_W4 rows a transient bf16 weight dequantized by torch ops and a bf16 GEMM.
+    DEQUANT_MIN_ROWS_W4 rows a transient weight dequantized by torch ops and a GEMM, in `dequant_gemm_dtype()`.
     """
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] >= PREFILL_MIN_ROWS_W4 and weight.prefill is not None:  # fp32 x keeps an fp32 output
         return prefill_matmul(x2, weight.prefill).view(*x.shape[:-1], weight.prefill.out_features)
-    x2 = x2.to(torch.bfloat16)
     if x2.shape[0] >= DEQUANT_MIN_ROWS_W4:
-        y = torch.nn.functional.linear(x2, w4a16_dequantize(*weight.source, dtype=torch.bfloat16))
+        dtype = dequant_gemm_dtype()
+        y = torch.nn.functional.linear(x2.to(dtype), w4a16_dequantize(*weight.source, dtype=dtype))
     else:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight.packed, weight.group_size, weight.scales_and_zeros)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), weight.packed, weight.group_size,
+                                                       weight.scales_and_zeros)
     return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
 
 
@@ -135,13 +146,14 @@ def pack_w8a16_for_cpu(weight, weight_scale, weight_zero_point=None):
 
 def w8a16_cpu_matmul(x, weight: Int8CpuWeight):
     """x [..., K] @ W.T on bf16 activations (int8 kernel; the prefill kernel from PREFILL_MIN_ROWS_W8
-    rows, else a transient bf16 weight from DEQUANT_MIN_ROWS_W8 rows, as for W4); returns x's dtype."""
+    rows, else a transient weight from DEQUANT_MIN_ROWS_W8 rows, as for W4); returns x's dtype."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] >= PREFILL_MIN_ROWS_W8 and weight.prefill is not None:  # zero points folded in the weight
         return prefill_matmul(x2, weight.prefill).view(*x.shape[:-1], weight.prefill.out_features)
     if x2.shape[0] >= DEQUANT_MIN_ROWS_W8:
-        dense = dequantize(weight.weight, weight.scale, None, -1, torch.bfloat16)  # [N, K]
-        y = torch.nn.functional.linear(x2.to(torch.bfloat16), dense).to(x.dtype)
+        dtype = dequant_gemm_dtype()
+        dense = dequantize(weight.weight, weight.scale, None, -1, dtype)  # [N, K]
+        y = torch.nn.functional.linear(x2.to(dtype), dense).to(x.dtype)
     else:
         y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), weight.weight, weight.scale).to(x.dtype)
     if weight.zero_scale is not None:  # x @ ((q - z) s).T = x @ (q s).T - sum(x) * z s

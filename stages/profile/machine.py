@@ -61,13 +61,18 @@ def _copy_seconds(src: torch.Tensor, dst: torch.Tensor, device: torch.device, co
     return start.elapsed_time(end) * 1e-3 / copies
 
 
-def gemm_throughput(device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 7) -> float:
-    """FLOP/s of an n x n x n matmul in `dtype` (the fastest of `repeats` after a warm-up: a ceiling)."""
+def gemm_throughput(device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 7,
+                    budget_s: float = 1.0) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype`: the fastest of `repeats` after a warm-up (a ceiling), or of
+    as many as `budget_s` seconds allow, at least one (a CPU without a bf16 GEMM takes seconds a call)."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     torch.mm(a, b)
-    seconds = min(timed(lambda: torch.mm(a, b), device) for _ in range(repeats))
-    return 2 * n ** 3 / seconds
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < repeats and (not times or time.perf_counter() < deadline):
+        times.append(timed(lambda: torch.mm(a, b), device))
+    return 2 * n ** 3 / min(times)
 
 
 def describe(device: torch.device) -> dict:

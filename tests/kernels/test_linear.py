@@ -106,8 +106,16 @@ def test_modules_on_cuda_run_triton(dtype):
         assert _rel_err(y.cpu(), expected) < 2e-2
 
 
+def test_the_transient_weight_is_bf16_only_where_onednn_multiplies_bf16():
+    from llmopt.kernels import cpu_quant
+
+    fast = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # AVX-512 or AVX-NE-CONVERT; not AVX2 alone
+    assert cpu_quant.dequant_gemm_dtype() == (torch.bfloat16 if fast else torch.float32)
+
+
+@pytest.mark.parametrize("gemm_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group_size, symmetric", [(64, True), (None, False), (128, False)])
-def test_large_batches_use_a_transient_bf16_weight(monkeypatch, group_size, symmetric):
+def test_large_batches_use_a_transient_weight(monkeypatch, group_size, symmetric, gemm_dtype):
     from llmopt.kernels import cpu_quant
 
     k, n = 320, 32  # group 128: 320 % 128 != 0 takes the general dequantization, the others the grouped one
@@ -119,11 +127,16 @@ def test_large_batches_use_a_transient_bf16_weight(monkeypatch, group_size, symm
     kernel_out = [layer(x) for layer, _ in pairs]
     monkeypatch.setattr(cpu_quant, "DEQUANT_MIN_ROWS_W4", 2)
     monkeypatch.setattr(cpu_quant, "DEQUANT_MIN_ROWS_W8", 2)
-    for (layer, reference), y_kernel in zip(pairs, kernel_out):
+    monkeypatch.setattr(cpu_quant, "dequant_gemm_dtype", lambda: gemm_dtype)
+    # fp32: the reference's own arithmetic for W4 (x and the dequantized weight in fp32), W8's scales kept in bf16
+    # for its int8 kernel (a relative 2^-9 each); bf16: x and the weight rounded too
+    bounds = [1e-5, 4e-3] if gemm_dtype == torch.float32 else [CPU_REL_ERR, CPU_REL_ERR]
+    for (layer, reference), y_kernel, bound in zip(pairs, kernel_out, bounds):
         assert layer.cpu_weight is not None
         assert kernel_names(lambda: layer(x), ("aten::linear", "aten::_weight_int")) == ["aten::linear"]
         y = layer(x)
-        assert _rel_err(y, reference(x).double()) < CPU_REL_ERR
+        assert y.dtype == x.dtype
+        assert _rel_err(y, reference(x).double()) < bound
         assert _rel_err(y, y_kernel.double()) < CPU_REL_ERR
 
 

@@ -37,6 +37,20 @@ def _hand_nll(model, window: list[int]) -> float:
     return total / (len(window) - 1)
 
 
+@pytest.mark.parametrize("chunk_bytes", [16 << 20, 3 * 50 * 4], ids=["one-chunk", "3-rows-a-chunk"])
+def test_window_nll_of_a_batch_is_each_windows_mean_next_token_nll(monkeypatch, chunk_bytes):
+    from llmopt.stages.eval import perplexity
+    from llmopt.stages.eval.perplexity import window_nll
+
+    monkeypatch.setattr(perplexity, "NLL_CHUNK_BYTES", chunk_bytes)  # 27 rows: 9 chunks across the windows
+
+    g = torch.Generator().manual_seed(0)
+    logits, ids = torch.randn(3, 9, 50, generator=g), torch.randint(0, 50, (3, 9), generator=g)
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    expected = [-sum(logp[b, t, ids[b, t + 1]].item() for t in range(8)) / 8 for b in range(3)]
+    assert window_nll(logits, ids).tolist() == pytest.approx(expected, rel=1e-6)
+
+
 @pytest.fixture
 def text_file(tmp_path):
     f = tmp_path / "corpus.txt"

@@ -75,6 +75,18 @@ def test_single_prompt_streams_to_stdout(model_dir, tmp_path, capsys):
     assert captured.out == expected + "\n" and "prompt tokens" in captured.err
 
 
+def test_a_single_prompt_sizes_the_engine_for_one_sequence(model_dir, monkeypatch):
+    """--prompt runs one sequence: the engine (and its KV cache, capped at what its sequences can use) is built
+    for one, not for --max-num-seqs; --input keeps --max-num-seqs."""
+    from llmopt.stages.serve import build
+
+    seen, real = [], build.build_engine
+    monkeypatch.setattr(build, "build_engine", lambda source, config, *a, **k: seen.append(config) or
+                        real(source, config, *a, **k))
+    assert main(["generate", str(model_dir), "--prompt", PROMPTS[0], "--max-num-seqs", "8", "--max-tokens", "2"]) == 0
+    assert seen[-1].max_num_seqs == 1
+
+
 @pytest.mark.parametrize("lines, expect", [
     (["not json"], "p.jsonl line 1: not a JSON object"),
     (['{"prompt": "x"}'], 'line 1: needs an "id"'),

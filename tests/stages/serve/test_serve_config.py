@@ -60,11 +60,16 @@ def test_serve_with_no_options_builds_the_default_config(captured, tiny_hf):
     assert tp == TPOptions() == DEFAULTS.tp and captured["backend"] == DEFAULTS.backend == "auto"
 
 
-def test_generate_with_no_engine_options_builds_the_default_engine(captured, capsys):
-    assert main(["generate", "some-model", "--prompt", "hi"]) == 1  # the stand-in stops it after recording
+def test_generate_with_no_engine_options_builds_the_default_engine(captured, capsys, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": 0, "prompt": "hi"}\n')
+    assert main(["generate", "some-model", "-i", str(prompts), "-o", str(tmp_path / "o.jsonl")]) == 1  # stand-in
     engine, device, dtype, _ = captured["engine"]
     assert engine == EngineConfig() == DEFAULTS.engine and (device, dtype) == (DEFAULTS.device, None)
     assert captured["backend"] == DEFAULTS.backend
+    # --prompt: the same engine, for its one sequence
+    assert main(["generate", "some-model", "--prompt", "hi"]) == 1
+    assert captured["engine"][0] == dataclasses.replace(DEFAULTS.engine, max_num_seqs=1)
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
