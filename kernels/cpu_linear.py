@@ -67,7 +67,7 @@ class DenseLinear(RoutedLinear):
         """Make the CPU layouts and route to them (see the class docstring); returns self."""
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) \
-                or not torch.backends.mkldnn.is_available() or not _onednn_takes(w.dtype):
+                or not torch.backends.mkldnn.is_available() or not onednn_takes(w.dtype):
             return self
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH)
         if above_rows > 0:  # neither a GEMV nor MKL's single row: nothing but oneDNN reads the weight
@@ -169,7 +169,7 @@ def prebuild_row_buckets(model: nn.Module, max_tokens: int, max_logit_rows: int)
 
 
 @functools.lru_cache(maxsize=None)
-def _onednn_takes(dtype: torch.dtype) -> bool:
+def onednn_takes(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs weights of `dtype` on this CPU: bf16 needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT
     (elsewhere its reorder raises, and F.linear's own bf16 path serves)."""
     return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

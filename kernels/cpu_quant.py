@@ -30,12 +30,12 @@ Each `pack_*` returns None for shapes/layouts its kernel cannot take; the CPU ba
 """
 from __future__ import annotations
 
-import functools
 import warnings
 from dataclasses import dataclass
 
 import torch
 
+from .cpu_linear import onednn_takes
 from .cpu_prefill import PrefillWeight, pack_w4a16_prefill, pack_w8a16_prefill, prefill_matmul
 from .wq_matmul import dequantize, resolve_group_size, unpack_int4_stored, unpack_zero_point_stored, w4a16_dequantize
 
@@ -53,11 +53,10 @@ PREFILL_MIN_ROWS_W4 = 16
 PREFILL_MIN_ROWS_W8 = 16
 
 
-@functools.lru_cache(maxsize=1)
 def dequant_gemm_dtype() -> torch.dtype:
     """The dtype of the transient weight and GEMM of the dequantizing routes: bf16 where oneDNN multiplies bf16
     on this CPU, else fp32 (torch's fallback bf16 GEMM is several to a hundred times slower than its fp32 one)."""
-    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    return torch.bfloat16 if onednn_takes(torch.bfloat16) else torch.float32
 
 
 @dataclass(frozen=True)

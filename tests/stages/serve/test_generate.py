@@ -77,7 +77,7 @@ def test_single_prompt_streams_to_stdout(model_dir, tmp_path, capsys):
 
 def test_a_single_prompt_sizes_the_engine_for_one_sequence(model_dir, monkeypatch):
     """--prompt runs one sequence: the engine (and its KV cache, capped at what its sequences can use) is built
-    for one, not for --max-num-seqs; --input keeps --max-num-seqs."""
+    for one, not for --max-num-seqs (test_serve_config: --input keeps the default engine)."""
     from llmopt.stages.serve import build
 
     seen, real = [], build.build_engine
