@@ -10,7 +10,8 @@ builds a launch as the JIT would (Triton's own binder computes the signature, th
 alignments) for an architecture and reads its resources back from the PTX and the cubin: registers, local memory
 (ptxas' stack frame: spills), shared memory against the card's limit.
 
-    python -m llmopt.kernels.compile_check [--arch 90 80] [--jobs N] [--cover T] [--full] [--json PATH] [--list]
+    python -m llmopt.kernels.compile_check [--arch 90 80] [--jobs N] [--cover T|90=T,80=T] [--full] [--json PATH]
+                                           [--list]
 
 A process that compiles must not have imported triton under TRITON_INTERPRET (see `_backend`): the command line
 refuses to run there; tests run it in a subprocess.
@@ -40,7 +41,7 @@ import torch
 from .launch_recording import GPUS, Launch, SimulatedGPU, TensorArg, record_launches
 
 __all__ = ["GPUS", "Launch", "SimulatedGPU", "TensorArg", "record_launches", "sweep", "config_key", "cover",
-           "all_kernels", "compile_launch", "check", "Compiled", "main"]
+           "all_kernels", "compile_launch", "plan", "check", "Compiled", "parse_cover", "main"]
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -326,16 +327,24 @@ def _compile_job(job):
     return compile_launch(*job)
 
 
-def check(archs=(90, 80), jobs: int | None = None, full: bool = False, strength: int | None = None) -> list[Compiled]:
-    """Sweep on each architecture's simulated GPU, then compile the union of configurations (or a `cover` of them of
-    `strength`) for every architecture, in `jobs` processes (spawned afresh, with a fresh Triton cache: nothing is
-    reused across runs)."""
+def plan(archs=(90, 80), full: bool = False, strength: int | dict[int, int] | None = None) -> list[tuple]:
+    """(launch, arch) to compile: sweep on each architecture's simulated GPU, then the union of configurations (or a
+    `cover` of them of `strength`: one for every architecture, or {arch: strength}, an architecture left out
+    getting them all) for every architecture."""
     seen: dict[str, Launch] = {}
     for arch in archs:
         for launch in sweep(GPUS[arch], full):
             seen.setdefault(config_key(launch, full), launch)
-    launches = cover(list(seen.values()), strength) if strength else list(seen.values())
-    work = [(launch, arch) for launch in launches for arch in archs]
+    strengths = strength if isinstance(strength, dict) else dict.fromkeys(archs, strength)
+    covers = {s: cover(list(seen.values()), s) if s else list(seen.values()) for s in {strengths.get(a) for a in archs}}
+    return [(launch, arch) for arch in archs for launch in covers[strengths.get(arch)]]
+
+
+def check(archs=(90, 80), jobs: int | None = None, full: bool = False,
+          strength: int | dict[int, int] | None = None) -> list[Compiled]:
+    """Compile `plan(archs, full, strength)` in `jobs` processes (spawned afresh, with a fresh Triton cache: nothing
+    is reused across runs)."""
+    work = plan(archs, full, strength)
     with tempfile.TemporaryDirectory(prefix="llmopt-compile-check-") as cache, _worker_environment(cache):
         with ProcessPoolExecutor(jobs or os.cpu_count(), mp_context=multiprocessing.get_context("spawn")) as pool:
             return list(pool.map(_compile_job, work))
@@ -374,6 +383,23 @@ def summary(results: list[Compiled]) -> list[dict]:
     return list(rows.values())
 
 
+def parse_cover(text: str) -> int | dict[int, int]:
+    """--cover's value: T for every architecture, or ARCH=T pairs ("90=2,80=1")."""
+    try:
+        if "=" not in text:
+            return _strength(int(text))
+        pairs = dict(item.split("=") for item in text.split(","))
+        return {int(arch): _strength(int(t)) for arch, t in pairs.items()}
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected T or ARCH=T,... with T >= 1 ({e})") from None
+
+
+def _strength(t: int) -> int:
+    if t < 1:
+        raise ValueError(f"strength {t}")
+    return t
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llmopt.kernels.compile_check", description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], choices=sorted(GPUS))
@@ -382,10 +408,14 @@ def main(argv=None) -> int:
     parser.add_argument("--full", action="store_true",
                         help="every specialization the JIT compiles apart (ints equal to 1 or divisible by 16, "
                              "aligned pointers), not one per configuration: several times slower")
-    parser.add_argument("--cover", type=int, metavar="T", help="compile only a T-way covering subset: every "
-                        "combination of T choices (constexprs, dtypes) is still compiled (tests use 2)")
+    parser.add_argument("--cover", type=parse_cover, metavar="T|ARCH=T,...", help="compile only a T-way covering "
+                        "subset: every combination of T choices (constexprs, dtypes) is still compiled; per "
+                        "architecture as 90=2,80=1 (tests use that; an architecture left out gets every one)")
     parser.add_argument("--list", action="store_true", help="only list the recorded launches")
     args = parser.parse_args(argv)
+    if isinstance(args.cover, dict) and set(args.cover) - set(GPUS):
+        parser.error(f"--cover: no simulated GPU of architecture {sorted(set(args.cover) - set(GPUS))} "
+                     f"(known: {sorted(GPUS)})")
     from ._triton import stdlib_interpreted
 
     if stdlib_interpreted():

@@ -12,7 +12,9 @@ an owner record, free-space check, umask modes; see tempdirs.py).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import fcntl
 import hashlib
 import json
 import os
@@ -183,9 +185,15 @@ class Artifact:
             pass  # no record: the next open hashes again
 
     def update_metrics(self, key: str, value) -> None:
-        """Store one metric in the manifest (atomic rewrite; the content hash is unchanged)."""
-        self.manifest.setdefault("metrics", {})[key] = value
-        _write_json_atomic(self.path / MANIFEST, self.manifest)
+        """Store one metric in the manifest (atomic rewrite; the content hash is unchanged). Under the folder's lock
+        the key goes into the manifest as it is on disk now, so metrics that other processes stored since this one
+        opened the artifact are kept (two `llmopt eval` runs on one artifact, each storing its text's result)."""
+        with locked(self.path):
+            on_disk = _read_json(self.path / MANIFEST)
+            manifest = on_disk if isinstance(on_disk, dict) else self.manifest
+            manifest.setdefault("metrics", {})[key] = value
+            _write_json_atomic(self.path / MANIFEST, manifest)
+        self.manifest = manifest
 
     def lineage_entry(self) -> dict:
         return {"stage": self.stage, "path": str(self.path.resolve()), "content_hash": self.content_hash,
@@ -230,6 +238,18 @@ def _read_manifest(path: Path) -> dict:
         raise ArtifactError(f"{path}: format version {manifest['format_version']} is newer than this llmopt "
                             f"understands ({FORMAT_VERSION}); upgrade llmopt")
     return manifest
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """An exclusive advisory lock (flock) on `path` for the block: processes that lock the same path run their
+    blocks one at a time. A folder is locked as it is; a file path is created empty if missing."""
+    fd = os.open(path, os.O_RDONLY if Path(path).is_dir() else os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:

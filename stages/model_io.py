@@ -6,8 +6,10 @@ requires one.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -148,10 +150,55 @@ def load_gguf(path: Path):
     """(model, tokenizer) of a GGUF file, dequantized to float32 by transformers (tens of seconds)."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with one_gguf_parse():
+        tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     model.hf_quantizer = None  # the GGUF weights are dequantized now; nothing is left to serialize
     return model.eval(), tokenizer
+
+
+@contextlib.contextmanager
+def one_gguf_parse():
+    """Within the block, transformers reads each GGUF file's metadata once.
+
+    transformers' `load_gguf_checkpoint` opens the file afresh (`gguf.GGUFReader`) and turns every metadata field
+    into Python values for each of its callers: the config, the tokenizer (twice) and the weights. The reader builds
+    a numpy view per element of the vocabulary's arrays, so one read costs seconds (SmolLM2's 49,152 tokens) to
+    tens of seconds (Gemma 3's 262,144) in Python. Its map of tensor names is also built afresh for each of the
+    model's modules (`gguf.get_tensor_name_map`: 397 times for SmolLM2, seconds). Here the metadata-only calls
+    share one result (each caller gets its own deep copy: they edit what they get), every call one reader (read-only
+    memory maps) and one name map per (architecture, layers). transformers looks these names up at call time (an
+    import inside its functions), so they are swapped for the block and put back after it."""
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    open_reader, load_checkpoint, name_map = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint, gguf.get_tensor_name_map
+    readers, metadata, name_maps = {}, {}, {}
+
+    def reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = open_reader(path, mode)
+        return readers[key]
+
+    def checkpoint(path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs:
+            return load_checkpoint(path, return_tensors, *args, **kwargs)
+        key = os.fspath(path)
+        if key not in metadata:
+            metadata[key] = load_checkpoint(path, False)
+        return copy.deepcopy(metadata[key])
+
+    def tensor_name_map(arch, n_blocks):
+        if (arch, n_blocks) not in name_maps:
+            name_maps[arch, n_blocks] = name_map(arch, n_blocks)
+        return name_maps[arch, n_blocks]
+
+    gguf.GGUFReader, hf_gguf.load_gguf_checkpoint, gguf.get_tensor_name_map = reader, checkpoint, tensor_name_map
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint, gguf.get_tensor_name_map = open_reader, load_checkpoint, name_map
 
 
 def load_tokenizer(directory: Path, gguf_file: str | None = None):

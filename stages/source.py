@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .artifact import SHARD_BYTES, Artifact, ArtifactWriter, is_artifact, safetensors_bytes, sha256_file
+from .artifact import SHARD_BYTES, Artifact, ArtifactWriter, is_artifact, locked, safetensors_bytes, sha256_file
 from .errors import ArtifactError, SourceError
 from .tempdirs import TMP_PREFIX, check_space, claim, sweep_leftovers
 
@@ -184,19 +184,37 @@ def as_artifact(source: Source, progress=None) -> Artifact | None:
     if source.kind not in ("alias", "gguf"):
         return None
     cached = import_cache_path(source)
+    found = _cached_import(cached)
+    if found is not None:
+        return found
+    from .model_io import load_gguf
+
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SourceError(f"{source.ref}: cannot write the import cache {cached.parent} ({e}); set "
+                          "LLMOPT_CACHE_DIR") from None
+    # Processes importing the same file at once (data-parallel replicas, test workers) import it once: the others
+    # wait here, then open what the first wrote.
+    with locked(cached.parent / f".{cached.name}.lock"):
+        found = _cached_import(cached)
+        if found is not None:
+            return found
+        if progress:
+            progress(f"loading {source.ref}")
+        model, tokenizer = load_gguf(source.path)
+        if source.kind == "alias":
+            _complete(ALIASES[source.ref], model, tokenizer)
+        return write_import(model, tokenizer, cached, source, force=True, progress=progress)
+
+
+def _cached_import(cached: Path) -> Artifact | None:
     if is_artifact(cached):
         try:
             return Artifact.open(cached)
         except ArtifactError:
             pass  # a damaged cache entry is rebuilt, not fatal
-    from .model_io import load_gguf
-
-    if progress:
-        progress(f"loading {source.ref}")
-    model, tokenizer = load_gguf(source.path)
-    if source.kind == "alias":
-        _complete(ALIASES[source.ref], model, tokenizer)
-    return write_import(model, tokenizer, cached, source, force=True, progress=progress)
+    return None
 
 
 def _complete(alias: Alias, model, tokenizer) -> None:

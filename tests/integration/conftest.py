@@ -4,9 +4,15 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def smollm_cache(tmp_path_factory):
-    """A fresh import cache for the session: the GGUF is dequantized once, then read as an artifact."""
-    path = tmp_path_factory.mktemp("llmopt-cache")
+def smollm_cache(tmp_path_factory, worker_id):
+    """A fresh import cache for the run: each GGUF is dequantized once, then read as an artifact. The pytest-xdist
+    workers of one run share it (the folder beside their own temporary folders): the import cache's lock makes the
+    second worker wait for the first's import instead of dequantizing the file again."""
+    if worker_id == "master":  # one process
+        path = tmp_path_factory.mktemp("llmopt-cache")
+    else:
+        path = tmp_path_factory.getbasetemp().parent / "llmopt-cache"
+        path.mkdir(exist_ok=True)
     old = os.environ.get("LLMOPT_CACHE_DIR")
     os.environ["LLMOPT_CACHE_DIR"] = str(path)
     yield path

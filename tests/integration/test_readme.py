@@ -139,6 +139,32 @@ def test_every_command_in_the_readme_parses():
             assert e.exit_code == 0, shlex.join(argv)
 
 
+def bash_block_commands(text: str) -> list[list[str]]:
+    """The `llmopt ...` lines of a page's ```bash blocks (a trailing & dropped): what a reader pastes as is."""
+    found, in_code, lang = [], False, ""
+    for line in text.splitlines():
+        if FENCE.match(line):
+            in_code, lang = not in_code, line.strip().strip("`~")
+        elif in_code and lang == "bash":
+            argv = shlex.split(line, comments=True)
+            argv = argv[:-1] if argv and argv[-1] == "&" else argv
+            if argv and argv[0] == "llmopt":
+                found.append(argv)
+    return found
+
+
+def test_every_command_in_a_docs_bash_block_parses():
+    """The docs' ```bash blocks, e.g. the replicas-and-router walk-through that was the quickstart's tail (route.md),
+    parse as written, as the README's commands do."""
+    from tests.cli.paste import parse_command
+
+    commands = {p.name: bash_block_commands(p.read_text(encoding="utf-8")) for p in (ROOT / "docs").rglob("*.md")}
+    assert ["llmopt", "route", "--replica", "http://127.0.0.1:8000", "--replica", "http://127.0.0.1:8001",
+            "--port", "8080"] in commands["route.md"], commands["route.md"]
+    for argv in (argv for page in commands.values() for argv in page):
+        parse_command(argv)
+
+
 # --- running the quickstart -------------------------------------------------------------------------
 
 

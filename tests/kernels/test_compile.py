@@ -33,11 +33,13 @@ def _env(**extra) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """The configurations compiled for sm_90 and sm_80 by the command line, in a process without the interpreter:
-    a pairwise cover of them (every two choices of a kernel made together somewhere), as all of them take minutes;
-    `python -m llmopt.kernels.compile_check` compiles them all."""
+    """The configurations compiled for sm_90 and sm_80 by the command line, in a process without the interpreter,
+    as all of them take minutes (`python -m llmopt.kernels.compile_check` compiles them all): for sm_90 (H100/H200,
+    what users serve on and GPU sessions measure) a pairwise cover (every two choices of a kernel made together
+    somewhere: 101 of 365), for sm_80 every choice at least once (32)."""
     out = tmp_path_factory.mktemp("compile") / "configs.json"
-    done = subprocess.run([sys.executable, "-m", "llmopt.kernels.compile_check", "--cover", "2", "--json", str(out)],
+    done = subprocess.run([sys.executable, "-m", "llmopt.kernels.compile_check", "--cover", "90=2,80=1", "--json",
+                           str(out)],
                           env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert out.exists(), (done.stdout + done.stderr)[-4000:]
     return SimpleNamespace(returncode=done.returncode, stdout=done.stdout, **json.loads(out.read_text()))
@@ -108,6 +110,26 @@ def test_the_sweep_reaches_every_kernel_on_both_gpus():
     assert {launch.kernel for launch in h100} == {launch.kernel for launch in a100} == set(compile_check.all_kernels())
     keys = {compile_check.config_key(launch) for launch in h100}
     assert keys != {compile_check.config_key(launch) for launch in a100}
+
+
+def test_cover_per_architecture_plans_each_gpus_own_subset():
+    """`--cover 90=2,80=1` (what the fixture runs): a pairwise cover for sm_90 and, for sm_80, a subset in which every
+    choice of every kernel is still compiled; a plain T is the same cover for both."""
+    from llmopt.kernels import compile_check
+
+    by_arch = {}
+    for launch, arch in compile_check.plan((90, 80), strength=compile_check.parse_cover("90=2,80=1")):
+        by_arch.setdefault(arch, []).append(launch)
+    union = [launch for launch, arch in compile_check.plan((90, 80)) if arch == 90]  # the same for both
+    everything = {(launch.kernel, choice) for launch in union for choice in compile_check._choices(launch)}
+    for arch, launches in by_arch.items():
+        assert {(launch.kernel, choice) for launch in launches for choice in compile_check._choices(launch)} \
+            == everything, arch
+    assert len(by_arch[80]) < len(by_arch[90]) == len(compile_check.cover(union, 2)) < len(union)
+    assert compile_check.parse_cover("2") == 2
+    for bad in ("0", "90=x", "90=2,80"):
+        with pytest.raises(compile_check.argparse.ArgumentTypeError):
+            compile_check.parse_cover(bad)
 
 
 def test_a_recorded_launch_holds_types_ints_and_constexprs():

@@ -38,12 +38,11 @@ def first_window(name: str) -> list[int]:
 
 def test_each_sets_first_window_is_the_same_on_every_run():
     first = {name: first_window(name) for name in EVAL_SETS}
-    again = {name: first_window(name) for name in EVAL_SETS}
     script = ("import json; from tests.stages.eval.test_sets import EVAL_SETS, first_window; "
               "print(json.dumps({name: first_window(name) for name in EVAL_SETS}))")
     other = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert other.returncode == 0, other.stderr[-2000:]
-    assert first == again == json.loads(other.stdout)
+    assert first == json.loads(other.stdout)  # another process: its own tokenizer, its own hash seed
     assert all(len(ids) == SEQLEN for ids in first.values())
     for name, ids in GOLDEN.items():
         assert first[name][:len(ids)] == ids, name

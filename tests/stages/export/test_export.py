@@ -193,3 +193,87 @@ def test_a_dense_artifact_exports_as_stored(tiny_sources, tmp_path):
     result = run_export(str(tiny_sources / "tied"), tmp_path / "dense.gguf", ExportConfig())
     assert result.counts() == {"dense": {"F32": 20}} and result.file_type == "ALL_F32"
     assert result.lineage == []  # a Hugging Face directory, not an artifact
+
+
+def test_load_gguf_reads_the_file_once_and_loads_what_transformers_loads(quantized, tmp_path, monkeypatch):
+    """`load_gguf` (an alias's or a GGUF file's import) opens the file once where transformers alone opens it for
+    its config, its tokenizer and its weights, builds one tensor-name map, loads the same weights and tokenizer,
+    and puts transformers' and gguf's names back, after an error too."""
+    import gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    from llmopt.stages import model_io
+
+    path = _export(quantized("w4_bf16"), tmp_path).path
+    opened, maps = [], []
+    open_reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: opened.append(a) or open_reader(*a, **k))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", lambda *a: maps.append(a) or name_map(*a))
+    names = (gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, tok = model_io.load_gguf(path)
+        assert len(opened) == 1 and len(maps) == 1
+        assert (gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint) == names
+        theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+        assert len(opened) > 2 and len(maps) > 2  # transformers alone: once per caller, a map per module
+        their_tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    mine, other = model.state_dict(), theirs.state_dict()
+    assert set(mine) == set(other) and all(torch.equal(mine[k], other[k]) for k in mine)
+    assert model.config.to_dict() == theirs.config.to_dict()
+    text = "the quick brown fox, 42 jumps <eos> over"
+    assert tok(text).input_ids == their_tok(text).input_ids
+    with pytest.raises(RuntimeError, match="inside"):
+        with model_io.one_gguf_parse():
+            raise RuntimeError("inside")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint) == names
+
+
+def test_processes_importing_one_gguf_at_once_import_it_once(quantized, tmp_path, monkeypatch):
+    """Two imports of the same GGUF at once (here threads: each takes the lock through its own descriptor, as
+    processes do): the first dequantizes, the second waits for it and opens its import."""
+    import threading
+    import time
+
+    from llmopt.stages import model_io, source
+
+    path = _export(quantized("w4_bf16"), tmp_path).path
+    monkeypatch.setenv("LLMOPT_CACHE_DIR", str(tmp_path / "cache"))
+    real, calls = model_io.load_gguf, []
+
+    def load_gguf(p):  # the first call waits up to 2 s for a second one: only the lock keeps it away
+        calls.append(p)
+        deadline = time.monotonic() + 2
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return real(p)
+
+    monkeypatch.setattr(model_io, "load_gguf", load_gguf)
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        threads = [threading.Thread(target=lambda: results.append(source.as_artifact(source.resolve(str(path)))))
+                   for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    assert len(calls) == 1 and len(results) == 2
+    assert results[0].path == results[1].path and results[0].content_hash == results[1].content_hash
+
+
+def test_metrics_stored_through_two_handles_are_both_kept(quantized, tmp_path):
+    """Two processes' handles on one artifact (each opened before the other stored): each stores its own metric,
+    and neither write drops the other's."""
+    import shutil
+
+    from llmopt.stages.artifact import Artifact
+
+    art = shutil.copytree(quantized("w4_bf16"), tmp_path / "copy")
+    first, second = Artifact.open(art), Artifact.open(art)
+    first.update_metrics("eval/a", {"perplexity": 1.5})
+    second.update_metrics("eval/b", {"perplexity": 2.5})
+    metrics = Artifact.open(art).manifest["metrics"]
+    assert metrics["eval/a"] == {"perplexity": 1.5} and metrics["eval/b"] == {"perplexity": 2.5}
+    assert second.manifest["metrics"]["eval/a"] == {"perplexity": 1.5}  # the handle sees what it wrote over
