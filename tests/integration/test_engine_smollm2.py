@@ -1,6 +1,6 @@
 """The serve engine against plain transformers on the embedded SmolLM2-135M (fp32, greedy).
 
-10 chat prompts x 64 new tokens. The reference is a plain transformers greedy loop (its own KV
+10 chat prompts x 32 new tokens. The reference is a plain transformers greedy loop (its own KV
 cache, EOS ignored). The engine's tokens must equal it, one request at a time and with all ten
 submitted together; a difference is only allowed at a near-tie, which is checked: the reference's
 two best logits within 1e-3 at the first differing step. Log-probabilities of every shared token
@@ -14,7 +14,7 @@ import torch
 from llmopt.stages.data import resolve_file
 
 pytestmark = pytest.mark.integration
-NEW_TOKENS, PROMPTS = 64, 10
+NEW_TOKENS, PROMPTS = 32, 10
 
 
 def _prompts(tokenizer) -> list[list[int]]:
@@ -33,7 +33,7 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 @torch.inference_mode()
 def _reference(model, prompt: list[int]):
-    """Greedy tokens and the logits [64, V] they were chosen from, plain transformers."""
+    """Greedy tokens and the logits [32, V] they were chosen from, plain transformers."""
     from transformers import DynamicCache
 
     cache, ids, tokens, logits = DynamicCache(), torch.tensor([prompt]), [], []

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from llmopt.cli.main import main
-from llmopt.stages.model_io import load_model_dir
+from llmopt.stages.eval.config import EvalConfig
+from llmopt.stages.eval.measure import evaluate
+from llmopt.stages.model_io import load_gguf, load_model_dir
 from llmopt.stages.source import resolve
 from tests.stages.export.reference import artifact_weights, gguf_fields, gguf_weights
 
@@ -37,17 +39,15 @@ def test_w4a16_g32_exports_to_q4_0_bit_for_bit(smollm_bf16, tmp_path, capsys):
     for key in TOKENIZER_KEYS:
         assert mine[key] == source[key], key
     del reader, theirs
-    from transformers import AutoModelForCausalLM
-
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # transformers' own loader (`gguf_file=`), as `llmopt import FILE.gguf` runs it
         warnings.simplefilter("ignore")
-        loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).state_dict()
-    dequantized = load_model_dir(art, dtype=torch.float32).state_dict()
+        model, tokenizer = load_gguf(path)
+    loaded, dequantized = model.state_dict(), load_model_dir(art, dtype=torch.float32).state_dict()
     assert set(loaded) == set(dequantized)
     assert all(torch.equal(loaded[k], dequantized[k]) for k in dequantized)  # transformers' own dequantization
     del loaded, dequantized
-    scores = []
-    for model in (art, path):  # the artifact in fp32, and the GGUF through its cached import
-        assert main(["eval", str(model), "--max-windows", "1", "--dtype", "fp32", "--no-store", "--json"]) == 0
-        scores.append(json.loads(capsys.readouterr().out)["wikitext2"]["perplexity"])
-    assert scores[1] == pytest.approx(scores[0], rel=1e-4)
+    # the artifact in fp32 through `llmopt eval`, and the GGUF as transformers read it (config, tokenizer, weights)
+    assert main(["eval", str(art), "--max-windows", "1", "--dtype", "fp32", "--no-store", "--json"]) == 0
+    ours = json.loads(capsys.readouterr().out)["wikitext2"]["perplexity"]
+    theirs = evaluate(model, tokenizer, EvalConfig(max_windows=1, dtype="fp32")).perplexity
+    assert theirs == pytest.approx(ours, rel=1e-4)
