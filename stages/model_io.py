@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import os
 from pathlib import Path
@@ -173,13 +174,8 @@ def one_gguf_parse():
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
     open_reader, load_checkpoint, name_map = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint, gguf.get_tensor_name_map
-    readers, metadata, name_maps = {}, {}, {}
-
-    def reader(path, mode="r"):
-        key = (os.fspath(path), mode)
-        if key not in readers:
-            readers[key] = open_reader(path, mode)
-        return readers[key]
+    reader, tensor_name_map = functools.cache(open_reader), functools.cache(name_map)
+    metadata = {}
 
     def checkpoint(path, return_tensors=False, *args, **kwargs):
         if return_tensors or args or kwargs:
@@ -188,11 +184,6 @@ def one_gguf_parse():
         if key not in metadata:
             metadata[key] = load_checkpoint(path, False)
         return copy.deepcopy(metadata[key])
-
-    def tensor_name_map(arch, n_blocks):
-        if (arch, n_blocks) not in name_maps:
-            name_maps[arch, n_blocks] = name_map(arch, n_blocks)
-        return name_maps[arch, n_blocks]
 
     gguf.GGUFReader, hf_gguf.load_gguf_checkpoint, gguf.get_tensor_name_map = reader, checkpoint, tensor_name_map
     try:

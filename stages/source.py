@@ -209,12 +209,13 @@ def as_artifact(source: Source, progress=None) -> Artifact | None:
 
 
 def _cached_import(cached: Path) -> Artifact | None:
-    if is_artifact(cached):
-        try:
-            return Artifact.open(cached)
-        except ArtifactError:
-            pass  # a damaged cache entry is rebuilt, not fatal
-    return None
+    """The import cached at `cached`, or None: none yet, or a damaged entry (rebuilt, not fatal)."""
+    if not is_artifact(cached):
+        return None
+    try:
+        return Artifact.open(cached)
+    except ArtifactError:
+        return None
 
 
 def _complete(alias: Alias, model, tokenizer) -> None:
